@@ -1,0 +1,162 @@
+"""Records stored in fsmeta and their encodings (see :mod:`fsmeta.schema`)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import stat
+import struct
+from dataclasses import asdict, dataclass, field
+
+
+class FileState(enum.IntEnum):
+    """Durability state of an inode's content (the architecture's state machine)."""
+
+    DIRTY = 1  # written locally, bucket does not have this generation
+    UPLOADING = 2  # the drain is uploading the current generation
+    DURABLE = 3  # bucket object at the current key holds the current generation
+    REMOTE = 4  # known from the bucket, content not in the cache
+    CACHED_CLEAN = 5  # content in the cache and equal to the bucket's (evictable)
+
+    @property
+    def label(self) -> str:
+        """The word ``user.ckptfs.state`` shows."""
+        return {
+            FileState.DIRTY: "dirty",
+            FileState.UPLOADING: "uploading",
+            FileState.DURABLE: "durable",
+            FileState.REMOTE: "remote",
+            FileState.CACHED_CLEAN: "durable",
+        }[self]
+
+
+class UploadPhase(enum.IntEnum):
+    """Where an in-flight upload is; stored in :class:`UploadRecord`."""
+
+    STARTED = 1  # multipart created, parts being sent
+    COMPLETING = 2  # CompleteMultipartUpload sent, fsmeta commit not yet done
+
+
+# mode, uid, gid, nlink, size, atime, mtime, ctime, generation, state, parent,
+# durable_generation, rdev; symlink target follows as the tail.
+_INODE = struct.Struct(">IIIIQqqqQBQQI")
+
+
+@dataclass
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    nlink: int = 1
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    generation: int = 0
+    state: FileState = FileState.DIRTY
+    parent: int = 0  # directories: the parent directory; files: parent of the first link
+    durable_generation: int = 0  # generation the bucket holds (0: none)
+    rdev: int = 0
+    target: bytes = b""  # symlink target
+
+    def pack(self) -> bytes:
+        return (
+            _INODE.pack(
+                self.mode,
+                self.uid,
+                self.gid,
+                self.nlink,
+                self.size,
+                self.atime_ns,
+                self.mtime_ns,
+                self.ctime_ns,
+                self.generation,
+                int(self.state),
+                self.parent,
+                self.durable_generation,
+                self.rdev,
+            )
+            + self.target
+        )
+
+    @classmethod
+    def unpack(cls, ino: int, raw: bytes) -> "Inode":
+        fields = _INODE.unpack_from(raw)
+        return cls(
+            ino,
+            *fields[:9],
+            FileState(fields[9]),
+            fields[10],
+            fields[11],
+            fields[12],
+            bytes(raw[_INODE.size :]),
+        )
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+
+class _JsonRecord:
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes):
+        return cls(**json.loads(bytes(raw)))
+
+
+@dataclass
+class RemoteRecord(_JsonRecord):
+    """Where an inode's content lives in the bucket."""
+
+    key: str
+    size: int
+    blake3: str
+    generation: int
+    etag: str = ""
+
+
+@dataclass
+class PendingRecord(_JsonRecord):
+    """Why the bucket does not match an inode yet. ``since_ns`` orders the queue."""
+
+    since_ns: int  # when it became pending (first change); oldest first
+    changed_ns: int  # last change (write close, rename); settle window counts from here
+    reason: str = "data"  # data | rename | meta
+    urgent: bool = False  # fsync=remote is waiting: upload even with a writer open
+
+
+@dataclass
+class PartRecord(_JsonRecord):
+    number: int
+    etag: str
+    checksum: str = ""
+    size: int = 0
+
+
+@dataclass
+class UploadRecord(_JsonRecord):
+    """An in-flight multipart upload, enough for a restarted drain to resume it."""
+
+    key: str
+    upload_id: str
+    generation: int
+    part_size: int
+    size: int
+    phase: int = int(UploadPhase.STARTED)
+    blake3: str = ""
+    parts: list = field(default_factory=list)  # list of PartRecord dicts
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "UploadRecord":
+        return cls(**json.loads(bytes(raw)))

@@ -1,0 +1,125 @@
+"""The LMDB key schema of fsmeta: every key ckptfs stores, in one place.
+
+The environment lives at ``CACHE/meta/`` (``data.mdb`` + ``lock.mdb``) and holds
+these named databases. Integers in keys are big-endian so that LMDB's byte order
+is numeric order; ``ino`` is a u64.
+
+============  ==============================  ============================================
+database      key                             value
+============  ==============================  ============================================
+``meta``      ``b"schema"``                   schema version, ascii int (``SCHEMA_VERSION``)
+              ``b"next_ino"``                 u64: the next inode number to hand out
+              ``b"settings"``                 JSON: bucket URL and settings the cache
+                                              belongs to (so ``ckptfs drain --cache-dir``
+                                              needs nothing else)
+``inodes``    ino                             packed :class:`fsmeta.records.Inode`
+                                              (attributes, generation, durability state,
+                                              symlink target)
+``dirents``   parent ino + name bytes         child ino (u64)
+``links``     ino + parent ino + name bytes   empty: reverse index of ``dirents``, so
+                                              an inode's path(s) are found without a scan
+``xattrs``    ino + name bytes                value bytes (user.* only)
+``remote``    ino                             JSON :class:`fsmeta.records.RemoteRecord`:
+                                              where this inode's content is in the bucket
+                                              (key, size, blake3, generation, etag)
+``remote_keys`` key bytes                     ino: reverse index of ``remote`` (an object
+                                              that is some inode's content is never
+                                              deleted by a tombstone)
+``pending``   ino                             JSON :class:`fsmeta.records.PendingRecord`:
+                                              the bucket does not match this inode yet
+                                              (new/changed data, renamed, dir marker);
+                                              the drain's work queue
+``writers``   ino                             u32: handles the gateway holds open for
+                                              writing (the drain waits for 0; cleared at
+                                              gateway start, see ``gateway.lock``)
+``uploads``   ino                             JSON :class:`fsmeta.records.UploadRecord`:
+                                              an in-flight multipart upload (id, key,
+                                              part size, generation, finished parts)
+``tombstones`` key bytes (relative to prefix) JSON: an object to delete from the bucket
+                                              (old name of a renamed durable file,
+                                              unlinked file, removed dir marker)
+``orphans``   ino                             empty: inode unlinked while open; its data
+                                              is purged on ``forget`` or at next start
+``errors``    ino                             utf-8: the last permanent upload error
+                                              (``user.ckptfs.state`` shows it)
+============  ==============================  ============================================
+
+Invariants kept by every write transaction:
+
+* A directory inode has exactly one dirent pointing to it (except the root, which
+  has none) and ``Inode.parent`` names that dirent's parent.
+* ``nlink`` of a file equals the number of dirents pointing to it; a file with
+  ``nlink == 0`` is in ``orphans`` until purged.
+* An inode is in ``pending`` whenever its bucket object is not known to match
+  its current name and generation. ``Inode.state`` is ``DURABLE`` only when it
+  is not in ``pending``.
+"""
+
+import struct
+
+SCHEMA_VERSION = 1
+
+DB_NAMES = (
+    b"meta",
+    b"inodes",
+    b"dirents",
+    b"links",
+    b"xattrs",
+    b"remote",
+    b"remote_keys",
+    b"pending",
+    b"writers",
+    b"uploads",
+    b"tombstones",
+    b"orphans",
+    b"errors",
+)
+
+ROOT_INO = 1
+
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+
+
+def ino_key(ino: int) -> bytes:
+    return _U64.pack(ino)
+
+
+def key_ino(key: bytes) -> int:
+    return _U64.unpack_from(key)[0]
+
+
+def dirent_key(parent: int, name: bytes) -> bytes:
+    return _U64.pack(parent) + name
+
+
+def split_dirent_key(key: bytes) -> tuple[int, bytes]:
+    return _U64.unpack_from(key)[0], bytes(key[8:])
+
+
+def link_key(ino: int, parent: int, name: bytes) -> bytes:
+    return _U64.pack(ino) + _U64.pack(parent) + name
+
+
+def split_link_key(key: bytes) -> tuple[int, int, bytes]:
+    return _U64.unpack_from(key)[0], _U64.unpack_from(key, 8)[0], bytes(key[16:])
+
+
+def xattr_key(ino: int, name: bytes) -> bytes:
+    return _U64.pack(ino) + name
+
+
+def pack_u64(n: int) -> bytes:
+    return _U64.pack(n)
+
+
+def unpack_u64(b: bytes) -> int:
+    return _U64.unpack(b)[0]
+
+
+def pack_u32(n: int) -> bytes:
+    return _U32.pack(n)
+
+
+def unpack_u32(b: bytes) -> int:
+    return _U32.unpack(b)[0]

@@ -1,0 +1,357 @@
+"""Typed access to one fsmeta transaction, and the durability state machine.
+
+Everything here runs inside a single LMDB transaction, so each public
+mutation (and any sequence of them inside one :meth:`MetaStore.write`) is
+atomic, across a crash too.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+from typing import Iterator
+
+import lmdb
+
+from . import schema
+from .records import FileState, Inode, PendingRecord, RemoteRecord, UploadRecord
+
+
+class Txn:
+    def __init__(self, raw: lmdb.Transaction, dbs: dict, write: bool):
+        self.raw = raw
+        self.dbs = dbs
+        self.writable = write
+
+    # -- generic -------------------------------------------------------------------
+
+    def _get(self, db: str, key: bytes) -> bytes | None:
+        return self.raw.get(key, db=self.dbs[db])
+
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
+        self.raw.put(key, value, db=self.dbs[db])
+
+    def _delete(self, db: str, key: bytes) -> bool:
+        return self.raw.delete(key, db=self.dbs[db])
+
+    def _iter_prefix(self, db: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        cursor = self.raw.cursor(db=self.dbs[db])
+        if not cursor.set_range(start if start is not None else prefix):
+            return
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                break
+            yield key, value
+
+    # -- settings, counters --------------------------------------------------------
+
+    def get_settings(self) -> dict | None:
+        raw = self._get("meta", b"settings")
+        return json.loads(bytes(raw)) if raw is not None else None
+
+    def put_settings(self, settings: dict) -> None:
+        self._put("meta", b"settings", json.dumps(settings, sort_keys=True).encode())
+
+    def alloc_ino(self) -> int:
+        ino = schema.unpack_u64(self._get("meta", b"next_ino"))
+        self._put("meta", b"next_ino", schema.pack_u64(ino + 1))
+        return ino
+
+    def init_root(self) -> None:
+        now = time.time_ns()
+        root = Inode(
+            schema.ROOT_INO,
+            stat.S_IFDIR | 0o755,
+            0,
+            0,
+            nlink=2,
+            atime_ns=now,
+            mtime_ns=now,
+            ctime_ns=now,
+            state=FileState.DURABLE,
+            parent=schema.ROOT_INO,
+        )
+        self.put_inode(root)
+
+    # -- inodes --------------------------------------------------------------------
+
+    def get_inode(self, ino: int) -> Inode | None:
+        raw = self._get("inodes", schema.ino_key(ino))
+        return Inode.unpack(ino, raw) if raw is not None else None
+
+    def put_inode(self, inode: Inode) -> None:
+        self._put("inodes", schema.ino_key(inode.ino), inode.pack())
+
+    def delete_inode(self, ino: int) -> None:
+        """Remove every record of an inode (its data file is the caller's)."""
+        key = schema.ino_key(ino)
+        self.delete_remote(ino)
+        for db in ("inodes", "pending", "writers", "uploads", "orphans", "errors"):
+            self._delete(db, key)
+        for k, _ in list(self._iter_prefix("xattrs", key)):
+            self._delete("xattrs", bytes(k))
+
+    def iter_inodes(self) -> Iterator[Inode]:
+        cursor = self.raw.cursor(db=self.dbs["inodes"])
+        for key, value in cursor:
+            yield Inode.unpack(schema.key_ino(key), value)
+
+    # -- directory entries ---------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        raw = self._get("dirents", schema.dirent_key(parent, name))
+        return schema.unpack_u64(raw) if raw is not None else None
+
+    def add_entry(self, parent: int, name: bytes, ino: int) -> None:
+        self._put("dirents", schema.dirent_key(parent, name), schema.pack_u64(ino))
+        self._put("links", schema.link_key(ino, parent, name), b"")
+
+    def remove_entry(self, parent: int, name: bytes) -> int | None:
+        key = schema.dirent_key(parent, name)
+        raw = self._get("dirents", key)
+        if raw is None:
+            return None
+        ino = schema.unpack_u64(raw)
+        self._delete("dirents", key)
+        self._delete("links", schema.link_key(ino, parent, name))
+        return ino
+
+    def iter_dir(self, parent: int, after: bytes | None = None) -> Iterator[tuple[bytes, int]]:
+        """Entries of a directory in name order, starting strictly after ``after``."""
+        prefix = schema.ino_key(parent)
+        start = schema.dirent_key(parent, after) + b"\x00" if after is not None else None
+        for key, value in self._iter_prefix("dirents", prefix, start):
+            yield bytes(key[8:]), schema.unpack_u64(value)
+
+    def dir_is_empty(self, ino: int) -> bool:
+        return next(self.iter_dir(ino), None) is None
+
+    def links_of(self, ino: int) -> list[tuple[int, bytes]]:
+        """Every (parent, name) naming ``ino``."""
+        out = []
+        for key, _ in self._iter_prefix("links", schema.ino_key(ino)):
+            _, parent, name = schema.split_link_key(key)
+            out.append((parent, name))
+        return out
+
+    def path_of(self, ino: int) -> bytes | None:
+        """Path of ``ino`` relative to the root (``b""`` for the root); None if unlinked."""
+        parts = []
+        cur = ino
+        for _ in range(4096):
+            if cur == schema.ROOT_INO:
+                return b"/".join(reversed(parts))
+            links = self.links_of(cur)
+            if not links:
+                return None
+            parent, name = links[0]
+            parts.append(name)
+            cur = parent
+        raise RuntimeError(f"fsmeta: directory loop above inode {ino}")
+
+    def paths_of(self, ino: int) -> list[bytes]:
+        """Every path naming ``ino`` (more than one for hard links)."""
+        out = []
+        for parent, name in self.links_of(ino):
+            base = self.path_of(parent)
+            if base is not None:
+                out.append(base + b"/" + name if base else name)
+        return out
+
+    def is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        """True if directory ``maybe_ancestor`` is ``ino`` or above it."""
+        cur = ino
+        for _ in range(4096):
+            if cur == maybe_ancestor:
+                return True
+            if cur == schema.ROOT_INO:
+                return False
+            inode = self.get_inode(cur)
+            if inode is None:
+                return False
+            cur = inode.parent
+        raise RuntimeError(f"fsmeta: directory loop above inode {ino}")
+
+    def iter_subtree(self, ino: int) -> Iterator[tuple[bytes, int]]:
+        """(relative path, ino) of everything below directory ``ino``, depth first."""
+        stack = [(b"", ino)]
+        while stack:
+            base, dir_ino = stack.pop()
+            for name, child in self.iter_dir(dir_ino):
+                rel = base + b"/" + name if base else name
+                yield rel, child
+                inode = self.get_inode(child)
+                if inode is not None and inode.is_dir:
+                    stack.append((rel, child))
+
+    # -- xattrs --------------------------------------------------------------------
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None:
+        raw = self._get("xattrs", schema.xattr_key(ino, name))
+        return bytes(raw) if raw is not None else None
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self._put("xattrs", schema.xattr_key(ino, name), value)
+
+    def remove_xattr(self, ino: int, name: bytes) -> bool:
+        return self._delete("xattrs", schema.xattr_key(ino, name))
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        return [bytes(k[8:]) for k, _ in self._iter_prefix("xattrs", schema.ino_key(ino))]
+
+    # -- durability state machine --------------------------------------------------
+
+    def mark_pending(self, ino: int, now_ns: int, reason: str) -> None:
+        key = schema.ino_key(ino)
+        raw = self._get("pending", key)
+        if raw is None:
+            rec = PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=reason)
+        else:
+            rec = PendingRecord.from_bytes(raw)
+            rec.changed_ns = now_ns
+            if reason == "data":
+                rec.reason = reason
+        self._put("pending", key, rec.to_bytes())
+
+    def data_changed(self, inode: Inode, now_ns: int) -> None:
+        """A write or truncate: new generation, DIRTY, queued for the drain.
+
+        The caller stores ``inode`` afterwards (or passes one it will store).
+        """
+        inode.generation += 1
+        inode.state = FileState.DIRTY
+        self._delete("errors", schema.ino_key(inode.ino))
+        self.mark_pending(inode.ino, now_ns, "data")
+
+    def namespace_changed(self, ino: int, now_ns: int) -> None:
+        """A new name (rename, link) or a dir that needs its marker: queue a reconcile.
+
+        The content state is unchanged: the drain copies a durable object to its
+        new key instead of uploading it again.
+        """
+        self.mark_pending(ino, now_ns, "rename")
+
+    def request_urgent(self, ino: int) -> None:
+        """fsync=remote: the drain should not wait for the file to be closed."""
+        key = schema.ino_key(ino)
+        raw = self._get("pending", key)
+        if raw is not None:
+            rec = PendingRecord.from_bytes(raw)
+            rec.urgent = True
+            self._put("pending", key, rec.to_bytes())
+
+    def get_pending(self, ino: int) -> PendingRecord | None:
+        raw = self._get("pending", schema.ino_key(ino))
+        return PendingRecord.from_bytes(raw) if raw is not None else None
+
+    def clear_pending(self, ino: int) -> None:
+        self._delete("pending", schema.ino_key(ino))
+
+    def iter_pending(self) -> Iterator[tuple[int, PendingRecord]]:
+        cursor = self.raw.cursor(db=self.dbs["pending"])
+        for key, value in cursor:
+            yield schema.key_ino(key), PendingRecord.from_bytes(value)
+
+    def get_remote(self, ino: int) -> RemoteRecord | None:
+        raw = self._get("remote", schema.ino_key(ino))
+        return RemoteRecord.from_bytes(raw) if raw is not None else None
+
+    def put_remote(self, ino: int, rec: RemoteRecord) -> None:
+        old = self.get_remote(ino)
+        if old is not None:
+            self._delete("remote_keys", old.key.encode())
+        self._put("remote", schema.ino_key(ino), rec.to_bytes())
+        self._put("remote_keys", rec.key.encode(), schema.pack_u64(ino))
+
+    def delete_remote(self, ino: int) -> None:
+        old = self.get_remote(ino)
+        if old is not None:
+            self._delete("remote_keys", old.key.encode())
+            self._delete("remote", schema.ino_key(ino))
+
+    def owner_of_remote_key(self, key: str) -> int | None:
+        """The inode whose durable content is the object at ``key`` (a copy source)."""
+        raw = self._get("remote_keys", key.encode())
+        return schema.unpack_u64(raw) if raw is not None else None
+
+    def get_upload(self, ino: int) -> UploadRecord | None:
+        raw = self._get("uploads", schema.ino_key(ino))
+        return UploadRecord.from_bytes(raw) if raw is not None else None
+
+    def put_upload(self, ino: int, rec: UploadRecord) -> None:
+        self._put("uploads", schema.ino_key(ino), rec.to_bytes())
+
+    def delete_upload(self, ino: int) -> None:
+        self._delete("uploads", schema.ino_key(ino))
+
+    def iter_uploads(self) -> Iterator[tuple[int, UploadRecord]]:
+        cursor = self.raw.cursor(db=self.dbs["uploads"])
+        for key, value in cursor:
+            yield schema.key_ino(key), UploadRecord.from_bytes(value)
+
+    def add_tombstone(self, key: str, *, upload_id: str | None = None, now_ns: int | None = None) -> None:
+        rec = {"since_ns": now_ns or time.time_ns()}
+        if upload_id:
+            rec["upload_id"] = upload_id
+        self._put("tombstones", key.encode(), json.dumps(rec).encode())
+
+    def remove_tombstone(self, key: str) -> None:
+        self._delete("tombstones", key.encode())
+
+    def iter_tombstones(self) -> Iterator[tuple[str, dict]]:
+        cursor = self.raw.cursor(db=self.dbs["tombstones"])
+        for key, value in cursor:
+            yield bytes(key).decode(), json.loads(bytes(value))
+
+    def forget_remote_object(self, ino: int) -> None:
+        """The inode's bucket object (and any in-flight upload) must go: tombstone them."""
+        remote = self.get_remote(ino)
+        if remote is not None:
+            self.add_tombstone(remote.key)
+            self.delete_remote(ino)
+        upload = self.get_upload(ino)
+        if upload is not None:
+            self.add_tombstone(upload.key, upload_id=upload.upload_id)
+            self.delete_upload(ino)
+        self.clear_pending(ino)
+
+    # -- writers, orphans, errors --------------------------------------------------
+
+    def add_writer(self, ino: int, delta: int) -> int:
+        key = schema.ino_key(ino)
+        raw = self._get("writers", key)
+        count = (schema.unpack_u32(raw) if raw is not None else 0) + delta
+        if count > 0:
+            self._put("writers", key, schema.pack_u32(count))
+        else:
+            self._delete("writers", key)
+            count = 0
+        return count
+
+    def writer_count(self, ino: int) -> int:
+        raw = self._get("writers", schema.ino_key(ino))
+        return schema.unpack_u32(raw) if raw is not None else 0
+
+    def clear_writers(self) -> None:
+        self.raw.drop(self.dbs["writers"], delete=False)
+
+    def add_orphan(self, ino: int) -> None:
+        self._put("orphans", schema.ino_key(ino), b"")
+
+    def remove_orphan(self, ino: int) -> None:
+        self._delete("orphans", schema.ino_key(ino))
+
+    def iter_orphans(self) -> list[int]:
+        cursor = self.raw.cursor(db=self.dbs["orphans"])
+        return [schema.key_ino(k) for k, _ in cursor]
+
+    def set_error(self, ino: int, message: str) -> None:
+        self._put("errors", schema.ino_key(ino), message.encode())
+
+    def get_error(self, ino: int) -> str | None:
+        raw = self._get("errors", schema.ino_key(ino))
+        return bytes(raw).decode() if raw is not None else None
+
+    def clear_error(self, ino: int) -> None:
+        self._delete("errors", schema.ino_key(ino))

@@ -1,0 +1,220 @@
+"""Settings: TOML file, overridden by command-line flags, validated with messages that name the setting.
+
+A cache directory remembers the settings it was mounted with (in fsmeta), so
+``ckptfs drain --cache-dir DIR`` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+DEFAULT_MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message starts with the setting's name."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size such as 64MiB, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            unit = (m.group(2) or "").upper()[:1]
+            return int(float(m.group(1)) * _UNITS[unit])
+    raise ConfigError(f"{name}: expected a size such as 64MiB or a byte count, got {value!r}")
+
+
+def parse_bucket_url(url: str) -> tuple[str, str, str]:
+    """``s3://bucket[/prefix]`` or ``file:///abs/dir`` -> (scheme, bucket or dir, prefix)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        bucket = parsed.netloc
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or ""):
+            raise ConfigError(f"bucket_url: {url!r} does not name a valid S3 bucket (s3://bucket[/prefix])")
+        return "s3", bucket, parsed.path.strip("/")
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise ConfigError(f"bucket_url: {url!r} must be file:///absolute/dir")
+        return "file", os.path.normpath(parsed.path), ""
+    raise ConfigError(f"bucket_url: {url!r} is not s3://bucket[/prefix] or file:///abs/dir")
+
+
+@dataclass
+class Settings:
+    bucket_url: str = ""
+    cache_dir: str = "/var/cache/ckptfs"
+    endpoint_url: str | None = None
+    region: str | None = None
+    fsync: str = "local"
+    metrics_addr: str = "127.0.0.1:9810"
+    allow_other: bool | None = None  # None: on when run as root
+    # cache
+    cache_max_size: str = "90%"
+    cache_high_watermark: float = 0.9
+    backpressure_timeout: float = 600.0
+    # drain
+    settle_seconds: float = 1.0
+    part_size: int = 64 * MIB
+    concurrency: int = 8
+    markers: list = field(default_factory=lambda: list(DEFAULT_MARKERS))
+    checksum: str = "crc32"
+    # raw [lifecycle] table, validated by lifecycle.rules
+    lifecycle: dict = field(default_factory=dict)
+
+    @property
+    def key_prefix(self) -> str:
+        scheme, _, prefix = parse_bucket_url(self.bucket_url)
+        return prefix if scheme == "s3" else ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Settings":
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def validate(self) -> "Settings":
+        if self.bucket_url:
+            parse_bucket_url(self.bucket_url)
+        if self.endpoint_url is not None:
+            parsed = urlparse(self.endpoint_url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
+        if self.fsync not in ("local", "remote"):
+            raise ConfigError(f"fsync: must be 'local' or 'remote', got {self.fsync!r}")
+        from .metrics import parse_addr
+
+        try:
+            parse_addr(self.metrics_addr)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not os.path.isabs(self.cache_dir):
+            raise ConfigError(f"cache_dir: must be an absolute path, got {self.cache_dir!r}")
+        cap = str(self.cache_max_size)
+        if cap.endswith("%"):
+            try:
+                pct = float(cap[:-1])
+            except ValueError:
+                pct = -1
+            if not 1 <= pct <= 100:
+                raise ConfigError(f"cache.max_size: percent must be 1%..100%, got {cap!r}")
+        else:
+            parse_size("cache.max_size", self.cache_max_size)
+        if not 0.1 <= float(self.cache_high_watermark) <= 1.0:
+            raise ConfigError(f"cache.high_watermark: must be between 0.1 and 1.0, got {self.cache_high_watermark!r}")
+        if float(self.backpressure_timeout) <= 0:
+            raise ConfigError(f"cache.backpressure_timeout: must be > 0 seconds, got {self.backpressure_timeout!r}")
+        if not 0 <= float(self.settle_seconds) <= 3600:
+            raise ConfigError(f"drain.settle_seconds: must be 0..3600, got {self.settle_seconds!r}")
+        if not 5 * MIB <= int(self.part_size) <= 5 * GIB:
+            raise ConfigError(f"drain.part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size!r}")
+        if not 1 <= int(self.concurrency) <= 256:
+            raise ConfigError(f"drain.concurrency: must be 1..256, got {self.concurrency!r}")
+        if not isinstance(self.markers, list) or not all(isinstance(m, str) and m for m in self.markers):
+            raise ConfigError(f"drain.markers: must be a list of file-name patterns, got {self.markers!r}")
+        if self.checksum not in ("crc32", "crc32c", "sha256", "md5", "none"):
+            raise ConfigError(f"drain.checksum: must be crc32, crc32c, sha256, md5 or none, got {self.checksum!r}")
+        return self
+
+
+# TOML layout: table -> {toml key: Settings field}
+_TOML_KEYS = {
+    "": {"bucket_url": "bucket_url", "endpoint_url": "endpoint_url", "region": "region"},
+    "mount": {
+        "fsync": "fsync",
+        "metrics_addr": "metrics_addr",
+        "allow_other": "allow_other",
+        "endpoint_url": "endpoint_url",
+        "region": "region",
+    },
+    "cache": {
+        "dir": "cache_dir",
+        "max_size": "cache_max_size",
+        "high_watermark": "cache_high_watermark",
+        "backpressure_timeout": "backpressure_timeout",
+    },
+    "drain": {
+        "settle_seconds": "settle_seconds",
+        "part_size": "part_size",
+        "concurrency": "concurrency",
+        "markers": "markers",
+        "checksum": "checksum",
+    },
+}
+
+_TYPES = {
+    "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
+    "allow_other": bool, "cache_dir": str, "cache_max_size": (str, int), "cache_high_watermark": (int, float),
+    "backpressure_timeout": (int, float), "settle_seconds": (int, float), "part_size": (str, int),
+    "concurrency": int, "markers": list, "checksum": str,
+}
+
+
+def load_toml(path: str) -> dict:
+    """Read a config file into Settings field values; errors name the file and setting."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config: {path}: no such file") from None
+    except PermissionError:
+        raise ConfigError(f"config: {path}: permission denied") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config: {path}: is a directory") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path}: invalid TOML: {exc}") from None
+    values: dict = {}
+    for key, value in data.items():
+        if key == "lifecycle":
+            if not isinstance(value, dict):
+                raise ConfigError("lifecycle: must be a table")
+            values["lifecycle"] = value
+            continue
+        if isinstance(value, dict):
+            table = _TOML_KEYS.get(key)
+            if table is None or key == "":
+                raise ConfigError(f"{key}: unknown table (known: mount, cache, drain, lifecycle)")
+            for sub, subvalue in value.items():
+                name = f"{key}.{sub}"
+                if sub not in table:
+                    raise ConfigError(f"{name}: unknown setting (known: {', '.join(sorted(table))})")
+                _set(values, name, table[sub], subvalue)
+        else:
+            if key not in _TOML_KEYS[""]:
+                raise ConfigError(f"{key}: unknown setting")
+            _set(values, key, _TOML_KEYS[""][key], value)
+    return values
+
+
+def _set(values: dict, name: str, attr: str, value) -> None:
+    expected = _TYPES[attr]
+    if isinstance(value, bool) and expected is not bool:
+        raise ConfigError(f"{name}: unexpected boolean {value!r}")
+    if not isinstance(value, expected):
+        raise ConfigError(f"{name}: wrong type {type(value).__name__} ({value!r})")
+    if attr == "part_size":
+        value = parse_size(name, value)
+    values[attr] = value
+
+
+def build_settings(config_path: str | None, overrides: dict) -> Settings:
+    values = load_toml(config_path) if config_path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    settings = Settings(**values)
+    settings.cache_dir = os.path.abspath(settings.cache_dir)
+    return settings.validate()

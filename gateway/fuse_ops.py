@@ -1,0 +1,211 @@
+"""The pyfuse3 ``Operations``: decode, call the core in a worker thread, map the error, count.
+
+pyfuse3 ends its main loop on any exception that is not ``FUSEError``, so every
+handler goes through :meth:`CkptOperations._call`, which turns an unexpected
+exception into EIO, a log line and a counter.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from . import metrics
+from .core import Attr, Caller, FsCore, SetattrRequest
+from .errors import FsError
+
+log = logging.getLogger("ckptfs.fuse")
+
+ATTR_TIMEOUT = 1.0
+ENTRY_TIMEOUT = 1.0
+CACHE_DIR_XATTR = b"user.ckptfs.cache_dir"
+
+
+def _caller(ctx) -> Caller:
+    return Caller(uid=ctx.uid, gid=ctx.gid, umask=ctx.umask, pid=ctx.pid)
+
+
+def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = attr.ino
+    entry.generation = 0  # inode numbers are never reused
+    entry.entry_timeout = ENTRY_TIMEOUT
+    entry.attr_timeout = ATTR_TIMEOUT
+    entry.st_mode = attr.mode
+    entry.st_nlink = attr.nlink
+    entry.st_uid = attr.uid
+    entry.st_gid = attr.gid
+    entry.st_rdev = attr.rdev
+    entry.st_size = attr.size
+    entry.st_blksize = 1 << 20
+    entry.st_blocks = attr.blocks
+    entry.st_atime_ns = attr.atime_ns
+    entry.st_mtime_ns = attr.mtime_ns
+    entry.st_ctime_ns = attr.ctime_ns
+    return entry
+
+
+class CkptOperations(pyfuse3.Operations):
+    # Measured: the kernel writeback cache lets writes arrive as 1 MiB requests and
+    # return to the writer at page-cache speed (docs/DESIGN.md).
+    enable_writeback_cache = True
+    supports_dot_lookup = True
+
+    def __init__(self, core: FsCore, *, fsync_hook=None):
+        super().__init__()
+        self.core = core
+        self.fsync_hook = fsync_hook  # --fsync=remote: awaited after a local fsync
+
+    async def _call(self, op: str, fn, *args):
+        metrics.FUSE_OPS.labels(op).inc()
+        try:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args))
+        except FsError as exc:
+            metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(exc.errno, str(exc.errno))).inc()
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            # Cache-device errors (ENOSPC, EIO) are passed through as they are.
+            code = exc.errno or errno.EIO
+            metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(code, str(code))).inc()
+            log.warning("%s: cache I/O error: %s", op, exc)
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            metrics.FUSE_UNEXPECTED.labels(op).inc()
+            metrics.FUSE_ERRORS.labels(op, "EIO").inc()
+            log.exception("%s%r failed unexpectedly; answered EIO", op, args[:3])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    # -- names and attributes ---------------------------------------------------------
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        return _entry(await self._call("lookup", self.core.lookup, parent_inode, name))
+
+    async def forget(self, inode_list):
+        try:
+            await self._call("forget", self.core.forget, list(inode_list))
+        except pyfuse3.FUSEError:
+            pass  # forget has no reply; the error is logged and counted
+
+    async def getattr(self, inode, ctx=None):
+        return _entry(await self._call("getattr", self.core.getattr, inode))
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        req = SetattrRequest(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
+        )
+        return _entry(await self._call("setattr", self.core.setattr, inode, req, fh))
+
+    async def readlink(self, inode, ctx):
+        return await self._call("readlink", self.core.readlink, inode)
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return _entry(await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx)))
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return _entry(await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx)))
+
+    async def unlink(self, parent_inode, name, ctx):
+        await self._call("unlink", self.core.unlink, parent_inode, name)
+
+    async def rmdir(self, parent_inode, name, ctx):
+        await self._call("rmdir", self.core.rmdir, parent_inode, name)
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        return _entry(await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx)))
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self._call("rename", self.core.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return _entry(await self._call("link", self.core.link, inode, new_parent_inode, new_name))
+
+    # -- files ---------------------------------------------------------------------------
+
+    async def open(self, inode, flags, ctx):
+        fh = await self._call("open", self.core.open, inode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fh, attr = await self._call("create", self.core.create, parent_inode, name, mode, flags, _caller(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(attr)
+
+    async def read(self, fh, off, size):
+        data = await self._call("read", self.core.read, fh, off, size)
+        metrics.READ_BYTES.inc(len(data))
+        return data
+
+    async def write(self, fh, off, buf):
+        written = await self._call("write", self.core.write, fh, off, buf)
+        metrics.WRITE_BYTES.inc(written)
+        return written
+
+    async def flush(self, fh):
+        await self._call("flush", self.core.flush, fh)
+
+    async def release(self, fh):
+        await self._call("release", self.core.release, fh)
+
+    async def fsync(self, fh, datasync):
+        with metrics.FSYNC_SECONDS.time():
+            await self._call("fsync", self.core.fsync, fh, datasync)
+            if self.fsync_hook is not None:
+                await self.fsync_hook(self.core, fh)
+
+    # -- directories -----------------------------------------------------------------------
+
+    async def opendir(self, inode, ctx):
+        return await self._call("opendir", self.core.opendir, inode)
+
+    async def readdir(self, fh, start_id, token):
+        entries = await self._call("readdir", self.core.readdir, fh, start_id)
+        for name, attr, next_id in entries:
+            if not pyfuse3.readdir_reply(token, name, _entry(attr), next_id):
+                break
+            self.core.count_lookup(attr.ino)
+
+    async def releasedir(self, fh):
+        await self._call("releasedir", self.core.releasedir, fh)
+
+    async def fsyncdir(self, fh, datasync):
+        await self._call("fsyncdir", self.core.fsyncdir, fh, datasync)
+
+    async def statfs(self, ctx):
+        st = await self._call("statfs", self.core.statfs)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = st.f_bsize
+        out.f_frsize = st.f_frsize
+        out.f_blocks = st.f_blocks
+        out.f_bfree = st.f_bfree
+        out.f_bavail = st.f_bavail
+        out.f_files = st.f_files
+        out.f_ffree = st.f_ffree
+        out.f_favail = st.f_favail
+        out.f_namemax = 255
+        return out
+
+    # -- extended attributes ---------------------------------------------------------------
+
+    async def setxattr(self, inode, name, value, ctx):
+        await self._call("setxattr", self.core.setxattr, inode, name, value)
+
+    async def getxattr(self, inode, name, ctx):
+        if inode == pyfuse3.ROOT_INODE and name == CACHE_DIR_XATTR:
+            return os.fsencode(self.core.cache_dir)
+        return await self._call("getxattr", self.core.getxattr, inode, name)
+
+    async def listxattr(self, inode, ctx):
+        return await self._call("listxattr", self.core.listxattr, inode)
+
+    async def removexattr(self, inode, name, ctx):
+        await self._call("removexattr", self.core.removexattr, inode, name)

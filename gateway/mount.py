@@ -1,0 +1,247 @@
+"""Starting and stopping a mount: checks, cache-directory lock, recovery, the trio main loop.
+
+``ckptfs mount`` without ``--foreground`` re-executes itself in the foreground
+in a new session and waits on a pipe until the child has mounted (or says
+why it could not), so the exit status and the one-line error reach the user
+while no LMDB environment is ever carried across a ``fork``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .config import ConfigError, Settings
+
+log = logging.getLogger("ckptfs.mount")
+
+LOCK_NAME = "gateway.lock"
+
+
+class MountError(Exception):
+    """A reason the mount cannot start; printed as one line."""
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+def prepare_cache_dir(path: str) -> None:
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)  # data of every user lives here: keep it private
+        os.makedirs(os.path.join(path, "data"), mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise MountError(f"cache directory {path}: cannot create it: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise MountError(f"cache directory {path}: not writable")
+
+
+def clear_dead_mount(mountpoint: str) -> bool:
+    """Lazily unmount a FUSE mount whose daemon died (ENOTCONN); True if one was cleared."""
+    try:
+        os.stat(mountpoint)
+        return False
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return False
+    log.warning("%s: clearing the dead mount of a crashed gateway", mountpoint)
+    subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return True
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    clear_dead_mount(mountpoint)
+    if not os.path.exists(mountpoint):
+        raise MountError(f"mountpoint {mountpoint}: does not exist")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mountpoint {mountpoint}: not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"mountpoint {mountpoint}: something is already mounted there")
+    try:
+        if os.listdir(mountpoint):
+            raise MountError(f"mountpoint {mountpoint}: not empty")
+    except PermissionError:
+        raise MountError(f"mountpoint {mountpoint}: permission denied") from None
+
+
+def lock_cache_dir(path: str) -> int:
+    """Take the cache directory's gateway lock; refuse if another gateway holds it."""
+    lock_path = os.path.join(path, LOCK_NAME)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise MountError(f"cache directory {path}: in use by another gateway (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def gateway_pid(cache_dir: str) -> int | None:
+    """Pid of the gateway holding the cache directory, or None if none does."""
+    lock_path = os.path.join(cache_dir, LOCK_NAME)
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def open_meta_for(settings: Settings):
+    """Open fsmeta of a cache directory and bind it to the bucket (refusing another)."""
+    from fsmeta import MetaStore
+
+    meta = MetaStore(os.path.join(settings.cache_dir, "meta"))
+    stored = meta.get_settings()
+    if stored and stored.get("bucket_url") and stored["bucket_url"] != settings.bucket_url:
+        meta.close()
+        raise MountError(
+            f"cache directory {settings.cache_dir}: belongs to {stored['bucket_url']}, not "
+            f"{settings.bucket_url}; drain it (ckptfs drain --cache-dir) or use another directory"
+        )
+    meta.put_settings(settings.to_json())
+    return meta
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = None) -> int:
+    """Mount and serve until unmounted or signalled. Returns the exit status."""
+    import pyfuse3
+    import trio
+
+    from . import metrics
+    from .core import FsCore
+    from .fuse_ops import CkptOperations
+    from .supervisor import DrainSupervisor
+
+    def fail(message: str) -> int:
+        if ready_fd is not None:
+            os.write(ready_fd, f"ERR {message}\n".encode())
+            os.close(ready_fd)
+        print(f"ckptfs: {message}", file=sys.stderr)
+        return 1
+
+    mountpoint = os.path.abspath(mountpoint)
+    try:
+        prepare_cache_dir(settings.cache_dir)
+        lock_fd = lock_cache_dir(settings.cache_dir)
+        check_mountpoint(mountpoint)
+        meta = open_meta_for(settings)
+    except (MountError, ConfigError) as exc:
+        return fail(str(exc))
+
+    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix)
+    recovered = core.recover()
+    if recovered["purged_orphans"] or recovered["trimmed_files"]:
+        log.info("recovered cache: %s", recovered)
+    supervisor = DrainSupervisor(settings)
+    fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
+    ops = CkptOperations(core, fsync_hook=fsync_hook)
+
+    allow_other = settings.allow_other if settings.allow_other is not None else os.geteuid() == 0
+    options = {"fsname=ckptfs", "subtype=ckptfs", "default_permissions"}
+    if allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(ops, mountpoint, options)
+    except RuntimeError as exc:
+        meta.close()
+        return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
+    metrics.serve(settings.metrics_addr)
+    supervisor.start()
+    log.info("mounted %s on %s (cache %s)", settings.bucket_url, mountpoint, settings.cache_dir)
+    if ready_fd is not None:
+        os.write(ready_fd, b"OK\n")
+        os.close(ready_fd)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                    async for signum in signals:
+                        log.info("signal %d: unmounting", signum)
+                        pyfuse3.terminate()
+                        return
+
+            nursery.start_soon(on_signal)
+            nursery.start_soon(supervisor.watch)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    status = 0
+    try:
+        trio.run(serve)
+    except BaseException:
+        log.exception("gateway main loop ended with an error")
+        status = 1
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        except Exception:  # already unmounted by fusermount3 -u
+            pass
+        supervisor.stop()
+        meta.sync()
+        meta.close()
+        os.close(lock_fd)
+    log.info("unmounted %s", mountpoint)
+    return status
+
+
+def run_daemon(argv: list[str], settings: Settings, timeout: float = 60.0) -> int:
+    """Start ``ckptfs mount … --foreground`` detached and wait until it has mounted."""
+    try:
+        prepare_cache_dir(settings.cache_dir)
+    except MountError as exc:
+        print(f"ckptfs: {exc}", file=sys.stderr)
+        return 1
+    read_fd, write_fd = os.pipe()
+    log_path = os.path.join(settings.cache_dir, "gateway.log")
+    with open(log_path, "ab") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *argv, "--foreground", "--ready-fd", str(write_fd)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            close_fds=True,
+        )
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout
+    buf = b""
+    with os.fdopen(read_fd, "rb") as reader:
+        while b"\n" not in buf and time.monotonic() < deadline:
+            chunk = reader.readline()
+            if not chunk:
+                break
+            buf += chunk
+    line = buf.decode(errors="replace").strip()
+    if line == "OK":
+        return 0
+    if line.startswith("ERR "):
+        print(f"ckptfs: {line[4:]}", file=sys.stderr)
+        return 1
+    if child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+    print(f"ckptfs: the gateway did not start; see {log_path}", file=sys.stderr)
+    return 1

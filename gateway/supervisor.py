@@ -1,0 +1,117 @@
+"""The gateway's side of the drain: start and watch the drain process, ``--fsync=remote``.
+
+The drain runs as its own process on the same fsmeta environment (both cores
+busy; a FUSE crash does not stop uploads of fsynced data). It is started in
+the gateway's process group, so ``kill -9`` of the group is a crash of both,
+and restarted with a back-off if it dies on its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import subprocess
+import sys
+import time
+
+import trio
+
+from .config import Settings
+
+log = logging.getLogger("ckptfs.supervisor")
+
+
+class DrainSupervisor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self._stopping = False
+        self.restarts = 0
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "drain.main", "--cache-dir", self.settings.cache_dir, "--supervised"],
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
+        log.info("drain started (pid %d)", self.proc.pid)
+
+    def start(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("drain.main") is None:
+            log.warning("drain module not available; files stay in the cache")
+            self._stopping = True
+            return
+        self._spawn()
+
+    async def watch(self) -> None:
+        """Restart the drain if it exits while the mount is up."""
+        backoff = 1.0
+        while not self._stopping:
+            await trio.sleep(1.0)
+            if self.proc is not None and self.proc.poll() is not None and not self._stopping:
+                log.error("drain exited with status %s; restarting in %.0fs", self.proc.returncode, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 60)
+                self.restarts += 1
+                self._spawn()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the drain to stop (it finishes the request in flight; the rest resumes later)."""
+        self._stopping = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def remote_fsync_hook(self, meta):
+        """For ``--fsync=remote``: after the local fsync, wait until the drain made it durable."""
+
+        def request_and_check(ino: int, first: bool) -> str | None:
+            def mark(txn):
+                if first:
+                    txn.request_urgent(ino)
+                if txn.get_pending(ino) is None:
+                    return "durable"
+                return txn.get_error(ino)
+
+            return meta.write(mark) if first else _read_state(meta, ino)
+
+        async def hook(core, fh: int) -> None:
+            import pyfuse3
+
+            ino = core.handle_inode(fh)
+            first = True
+            while True:
+                state = await trio.to_thread.run_sync(request_and_check, ino, first)
+                first = False
+                if state == "durable":
+                    return
+                if state:  # a permanent upload error: fsync=remote cannot succeed
+                    log.error("fsync=remote of inode %d failed: %s", ino, state)
+                    raise pyfuse3.FUSEError(errno.EIO)
+                await trio.sleep(0.05)
+
+        return hook
+
+
+def _read_state(meta, ino: int) -> str | None:
+    with meta.read() as txn:
+        if txn.get_pending(ino) is None:
+            return "durable"
+        return txn.get_error(ino)
+
+
+def wait_until(predicate, timeout: float | None, interval: float = 0.1) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
