@@ -12,6 +12,9 @@ database      key                             value
               ``b"settings"``                 JSON: bucket URL and settings the cache
                                               belongs to (so ``ckptfs drain --cache-dir``
                                               needs nothing else)
+              ``b"drain_status"``             JSON: the drain's live view (pid, in-flight
+                                              uploads with bytes done, retries, totals),
+                                              refreshed every second, read by status/wait
 ``inodes``    ino                             packed :class:`fsmeta.records.Inode`
                                               (attributes, generation, durability state,
                                               symlink target)

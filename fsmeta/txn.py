@@ -53,6 +53,13 @@ class Txn:
     def put_settings(self, settings: dict) -> None:
         self._put("meta", b"settings", json.dumps(settings, sort_keys=True).encode())
 
+    def get_drain_status(self) -> dict | None:
+        raw = self._get("meta", b"drain_status")
+        return json.loads(bytes(raw)) if raw is not None else None
+
+    def put_drain_status(self, status: dict) -> None:
+        self._put("meta", b"drain_status", json.dumps(status).encode())
+
     def alloc_ino(self) -> int:
         ino = schema.unpack_u64(self._get("meta", b"next_ino"))
         self._put("meta", b"next_ino", schema.pack_u64(ino + 1))
@@ -158,6 +165,17 @@ class Txn:
             if base is not None:
                 out.append(base + b"/" + name if base else name)
         return out
+
+    def resolve(self, path: bytes) -> int | None:
+        """The inode named by a relative path (``b""`` is the root), or None."""
+        ino = schema.ROOT_INO
+        for part in path.strip(b"/").split(b"/"):
+            if not part:
+                continue
+            ino = self.lookup(ino, part)
+            if ino is None:
+                return None
+        return ino
 
     def is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
         """True if directory ``maybe_ancestor`` is ``ino`` or above it."""

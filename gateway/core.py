@@ -220,7 +220,8 @@ class FsCore:
         if base is None:
             raise FsError(errno.ENOENT, "parent directory was removed")
         rel = base + b"/" + name if base else name
-        length = self._key_length(rel) + (1 if is_dir else 0) + subtree_extra
+        # The directory's own marker key adds "/"; a key below it adds "/" + its path.
+        length = self._key_length(rel) + max(1 if is_dir else 0, subtree_extra)
         if length > S3_KEY_MAX:
             raise FsError(
                 errno.ENAMETOOLONG,

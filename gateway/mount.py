@@ -9,7 +9,6 @@ while no LMDB environment is ever carried across a ``fork``.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import signal
@@ -17,12 +16,11 @@ import subprocess
 import sys
 import time
 
+from fsmeta import locks
+
 from .config import ConfigError, Settings
 
 log = logging.getLogger("ckptfs.mount")
-
-LOCK_NAME = "gateway.lock"
-
 
 class MountError(Exception):
     """A reason the mount cannot start; printed as one line."""
@@ -73,36 +71,15 @@ def check_mountpoint(mountpoint: str) -> None:
 
 def lock_cache_dir(path: str) -> int:
     """Take the cache directory's gateway lock; refuse if another gateway holds it."""
-    lock_path = os.path.join(path, LOCK_NAME)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise MountError(f"cache directory {path}: in use by another gateway (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        return locks.acquire(path, locks.GATEWAY_LOCK)
+    except locks.LockHeld as exc:
+        raise MountError(f"cache directory {path}: in use by another gateway (pid {exc.holder})") from None
 
 
 def gateway_pid(cache_dir: str) -> int | None:
     """Pid of the gateway holding the cache directory, or None if none does."""
-    lock_path = os.path.join(cache_dir, LOCK_NAME)
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            return int(text) if text.isdigit() else -1
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    return locks.holder(cache_dir, locks.GATEWAY_LOCK)
 
 
 def open_meta_for(settings: Settings):
@@ -119,6 +96,36 @@ def open_meta_for(settings: Settings):
         )
     meta.put_settings(settings.to_json())
     return meta
+
+
+def check_bucket(settings: Settings) -> None:
+    """Refuse a bucket or credentials that cannot work, before mounting."""
+    import trio
+
+    from drain.main import open_store_for
+    from drain.store import StoreError
+
+    from .config import parse_bucket_url
+
+    scheme, root, _ = parse_bucket_url(settings.bucket_url)
+    if scheme == "file":
+        try:
+            os.makedirs(root, exist_ok=True)  # the embedded bucket is just a directory
+        except OSError as exc:
+            raise MountError(f"bucket {settings.bucket_url}: cannot create {root}: {exc.strerror}") from None
+
+    async def check() -> None:
+        async with open_store_for(settings) as store:
+            with trio.fail_after(60):
+                await store.check_access(write=True)
+
+    try:
+        trio.run(check)
+    except StoreError as exc:
+        raise MountError(f"bucket {settings.bucket_url}: {exc.code}: {exc.message}") from None
+    except trio.TooSlowError:
+        where = settings.endpoint_url or "the S3 endpoint"
+        raise MountError(f"bucket {settings.bucket_url}: no answer from {where} within 60s") from None
 
 
 # -- running --------------------------------------------------------------------------------
@@ -148,6 +155,12 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         check_mountpoint(mountpoint)
         meta = open_meta_for(settings)
     except (MountError, ConfigError) as exc:
+        return fail(str(exc))
+
+    try:
+        check_bucket(settings)
+    except MountError as exc:
+        meta.close()
         return fail(str(exc))
 
     core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix)

@@ -1,0 +1,138 @@
+"""The drain process: ``python -m drain.main --cache-dir DIR [--until-empty] [--supervised]``.
+
+Also what ``ckptfs drain`` runs. The cache directory remembers its bucket URL
+and settings (fsmeta ``settings``); credentials come from the AWS chain.
+
+One drain per cache directory (``drain.lock``). A supervised drain started by
+a gateway waits for that lock, so a drain that outlived a crashed gateway
+finishes first; a drain whose gateway is gone exits once the queue is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import trio
+
+from fsmeta import MetaStore, locks
+
+log = logging.getLogger("ckptfs.drain")
+
+
+class DrainSetupError(Exception):
+    pass
+
+
+def load_settings(cache_dir: str):
+    from gateway.config import Settings
+
+    if not os.path.exists(os.path.join(cache_dir, "meta", "data.mdb")):
+        raise DrainSetupError(f"cache directory {cache_dir}: no ckptfs cache here (never mounted?)")
+    meta = MetaStore(os.path.join(cache_dir, "meta"), create=False)
+    stored = meta.get_settings()
+    if not stored or not stored.get("bucket_url"):
+        meta.close()
+        raise DrainSetupError(f"cache directory {cache_dir}: does not record a bucket URL")
+    return meta, Settings.from_json(stored)
+
+
+def open_store_for(settings):
+    from .store import open_store
+
+    return open_store(
+        settings.bucket_url,
+        endpoint_url=settings.endpoint_url,
+        region=settings.region,
+        checksum=settings.checksum,
+        max_pool_connections=max(16, int(settings.concurrency) * 2),
+    )
+
+
+async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, supervised: bool) -> None:
+    from .worker import Drain
+
+    stop = trio.Event()
+    gateway_pid = os.getppid() if supervised else None
+
+    async def watch() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                log.info("drain stopping (in-flight uploads resume on the next start)")
+                stop.set()
+                return
+
+    async with open_store_for(settings) as store:
+        drain = Drain(cache_dir, meta, settings, store)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            if supervised:
+                async def orphan_watch() -> None:
+                    # Outlived our gateway: finish what is queued, then let the next one take over.
+                    while os.getppid() == gateway_pid:
+                        await trio.sleep(1.0)
+                    log.info("gateway is gone; draining what is left, then exiting")
+                    await drain_idle(drain)
+                    stop.set()
+                nursery.start_soon(orphan_watch)
+            await drain.run(until_empty=until_empty, stop=stop)
+            nursery.cancel_scope.cancel()
+
+
+async def drain_idle(drain) -> None:
+    while True:
+        candidates, tombstones = await drain._read(drain._scan)
+        if not candidates and not tombstones and not drain.busy:
+            return
+        await trio.sleep(0.5)
+
+
+def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) -> int:
+    cache_dir = os.path.abspath(cache_dir)
+    try:
+        lock_fd = locks.acquire(cache_dir, locks.DRAIN_LOCK, wait=supervised)
+    except locks.LockHeld as exc:
+        print(f"ckptfs: cache directory {cache_dir}: a drain is already running (pid {exc.holder})",
+              file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(f"ckptfs: cache directory {cache_dir}: {exc.strerror}", file=sys.stderr)
+        return 1
+    try:
+        meta, settings = load_settings(cache_dir)
+    except DrainSetupError as exc:
+        print(f"ckptfs: {exc}", file=sys.stderr)
+        return 1
+    try:
+        trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
+    except Exception as exc:
+        from .store import StoreError
+
+        if isinstance(exc, StoreError):
+            print(f"ckptfs: drain: {exc}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        meta.close()
+        os.close(lock_fd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckptfs-drain")
+    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--until-empty", action="store_true")
+    parser.add_argument("--supervised", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s ckptfs-drain[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return run(args.cache_dir, until_empty=args.until_empty, supervised=args.supervised)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Which pending inodes the drain may start now, in which order (pure functions).
+
+Rules (ARCHITECTURE.md, "Drain order"):
+
+* A file is eligible once no handle has it open for writing (unless an
+  ``fsync=remote`` caller asked for it: ``urgent``) and the settle window has
+  passed since its last change.
+* Oldest first (by when it became pending), so no file starves.
+* Commit markers drain last: a marker (name matching a marker pattern) waits
+  until no other pending file below its directory is left, except markers in
+  the same directory (they would wait for each other forever). Markers in
+  deeper directories do count, so ``run/latest`` waits for
+  ``run/step_9/.metadata``.
+* Deletions go the other way: markers first (see :func:`order_tombstones`), so
+  a half-deleted checkpoint never looks complete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ino: int
+    path: str  # relative path (no leading slash); "" for the root
+    since_ns: int
+    changed_ns: int
+    is_dir: bool
+    writers: int
+    urgent: bool
+
+
+def is_marker(path: str, patterns: list[str]) -> bool:
+    name = posixpath.basename(path)
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _below(path: str, directory: str) -> bool:
+    return directory == "" or path.startswith(directory + "/")
+
+
+def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, markers: list[str],
+             busy: set[int]) -> list[Candidate]:
+    """The candidates that may start now, oldest first."""
+    pending_files = [c for c in candidates if not c.is_dir]
+    out = []
+    for cand in sorted(candidates, key=lambda c: (c.since_ns, c.ino)):
+        if cand.ino in busy:
+            continue
+        if cand.writers > 0 and not cand.urgent:
+            continue
+        if not cand.urgent and now_ns - cand.changed_ns < settle_ns:
+            continue
+        if not cand.is_dir and is_marker(cand.path, markers):
+            directory = posixpath.dirname(cand.path)
+            blocked = False
+            for other in pending_files:
+                if other.ino == cand.ino or not _below(other.path, directory):
+                    continue
+                same_dir_marker = posixpath.dirname(other.path) == directory and is_marker(other.path, markers)
+                if not same_dir_marker:
+                    blocked = True
+                    break
+            if blocked:
+                continue
+        out.append(cand)
+    return out
+
+
+def order_tombstones(keys: list[str], markers: list[str]) -> list[list[str]]:
+    """Batches of keys to delete, in order: markers first, then everything else."""
+    first = [k for k in keys if not k.endswith("/") and is_marker(k, markers)]
+    rest = [k for k in keys if k not in set(first)]
+    return [batch for batch in (sorted(first), sorted(rest)) if batch]

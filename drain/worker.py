@@ -1,0 +1,580 @@
+"""The drain: makes the bucket match fsmeta, one pending inode at a time per task.
+
+It executes what fsmeta says (``pending``, ``tombstones``, ``uploads``) and
+decides nothing about namespace semantics:
+
+* a file whose content generation is not in the bucket is uploaded under its
+  current name (multipart, resumable; the part list is persisted after every
+  part), then committed only if its generation and name did not move;
+* a file whose content is in the bucket under another name (rename, hard
+  link, metadata change) is server-side copied, then the old key is deleted;
+* an empty directory gets a ``dir/`` marker object;
+* a tombstone is deleted unless its key is live again or is still the source
+  of a pending copy.
+
+Runs under trio; every LMDB transaction and every file read happens in a
+worker thread, and no transaction spans an ``await``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import stat
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, locks
+from fsmeta.txn import Txn
+
+from . import schedule
+from .store import ObjectStore, PartRecord, StoreError
+
+log = logging.getLogger("ckptfs.drain")
+
+POLL_SECONDS = 0.1
+STATUS_SECONDS = 1.0
+PERMANENT_RETRY_SECONDS = 60.0
+STALE_UPLOAD_SECONDS = 24 * 3600
+
+
+def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "") -> dict[str, str]:
+    """s3fs/rclone-compatible object metadata (mode/uid/gid decimal, mtime in seconds)."""
+    meta = {
+        "mode": str(mode),
+        "uid": str(uid),
+        "gid": str(gid),
+        "mtime": f"{mtime_ns // 1_000_000_000}.{mtime_ns % 1_000_000_000:09d}",
+    }
+    if blake3:
+        meta["blake3"] = blake3
+    return meta
+
+
+@dataclass
+class FileJob:
+    """What a reconcile read from fsmeta, and compares against at commit."""
+
+    ino: int
+    generation: int
+    keys: list[str]
+    changed_ns: int
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    is_symlink: bool
+    target: bytes
+    durable_in_bucket: bool
+    remote: RemoteRecord | None
+    upload: UploadRecord | None
+    reason: str
+
+
+@dataclass
+class DrainStats:
+    uploaded_bytes: int = 0
+    uploaded_files: int = 0
+    copied_objects: int = 0
+    deleted_objects: int = 0
+    retries: int = 0
+    upload_seconds: float = 0.0
+    in_flight: dict = field(default_factory=dict)  # ino -> {path, size, done}
+    retrying: dict = field(default_factory=dict)  # what -> message
+    errors: dict = field(default_factory=dict)  # path -> permanent error
+    durable_latency: list = field(default_factory=list)  # recent pending->durable seconds
+
+
+class Drain:
+    def __init__(self, cache_dir: str, meta: MetaStore, settings, store: ObjectStore, *, clock=time.time_ns):
+        self.cache_dir = cache_dir
+        self.meta = meta
+        self.settings = settings
+        self.store = store
+        self.clock = clock
+        self.markers = list(settings.markers)
+        self.settle_ns = int(float(settings.settle_seconds) * 1e9)
+        self.part_size = int(settings.part_size)
+        self.concurrency = int(settings.concurrency)
+        self.busy: set[int] = set()
+        self.busy_keys: set[str] = set()
+        self.deleting_keys: set[str] = set()
+        self.retry_after: dict[int, float] = {}  # ino -> monotonic time of next attempt
+        self.tombstones_running = False
+        self.stats = DrainStats()
+        self.part_limiter = trio.CapacityLimiter(self.concurrency)
+
+    # -- fsmeta access (always in a worker thread) ---------------------------------
+
+    async def _read(self, fn, *args):
+        def run():
+            with self.meta.read() as txn:
+                return fn(txn, *args)
+
+        return await trio.to_thread.run_sync(run)
+
+    async def _write(self, fn, *args):
+        return await trio.to_thread.run_sync(lambda: self.meta.write(lambda txn: fn(txn, *args)))
+
+    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]]]:
+        gateway_alive = locks.holder(self.cache_dir, locks.GATEWAY_LOCK) is not None
+        candidates = []
+        for ino, rec in txn.iter_pending():
+            inode = txn.get_inode(ino)
+            if inode is None:
+                continue
+            path = txn.path_of(ino)
+            if path is None:
+                continue
+            writers = txn.writer_count(ino) if gateway_alive else 0
+            candidates.append(schedule.Candidate(
+                ino, path.decode("utf-8", "surrogateescape"), rec.since_ns, rec.changed_ns,
+                inode.is_dir, writers, rec.urgent,
+            ))
+        return candidates, list(txn.iter_tombstones())
+
+    # -- main loop -------------------------------------------------------------------
+
+    async def run(self, *, until_empty: bool = False, stop: trio.Event | None = None) -> None:
+        await self._startup()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._status_loop)
+            while stop is None or not stop.is_set():
+                candidates, tombstones = await self._read(self._scan)
+                if until_empty and not candidates and not tombstones and not self.busy:
+                    break
+                now = self.clock()
+                mono = time.monotonic()
+                ready = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
+                                          markers=self.markers, busy=self.busy)
+                for cand in ready:
+                    if len(self.busy) >= self.concurrency:
+                        break
+                    if self.retry_after.get(cand.ino, 0) > mono:
+                        continue
+                    if cand.path in self.deleting_keys:
+                        continue
+                    self.busy.add(cand.ino)
+                    nursery.start_soon(self._reconcile_task, cand)
+                if tombstones and not self.tombstones_running:
+                    self.tombstones_running = True
+                    nursery.start_soon(self._tombstone_task, tombstones)
+                await trio.sleep(POLL_SECONDS)
+            nursery.cancel_scope.cancel()
+        await self._publish_status()
+
+    async def _startup(self) -> None:
+        await self._retry("check bucket access", lambda: self.store.check_access(write=True))
+        try:
+            await self._abort_stale_uploads()
+        except StoreError as exc:
+            log.warning("could not list multipart uploads to abort stale ones: %s", exc)
+
+    async def _abort_stale_uploads(self) -> None:
+        """Abort multipart uploads nobody will complete: older than a day and not ours."""
+        ours = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
+        cutoff = time.time() - STALE_UPLOAD_SECONDS
+        for info in await self.store.list_multipart_uploads(""):
+            if info.upload_id in ours or info.initiated.timestamp() > cutoff:
+                continue
+            log.info("aborting stale multipart upload of %s (started %s)", info.key, info.initiated)
+            try:
+                await self.store.abort_multipart(info.key, info.upload_id)
+            except StoreError as exc:
+                log.warning("abort of stale upload %s failed: %s", info.key, exc)
+
+    async def _retry(self, what: str, op, *, ino: int | None = None):
+        """Run ``op`` until it succeeds; retryable errors back off forever, visibly."""
+        attempt = 0
+        while True:
+            try:
+                result = await op()
+                self.stats.retrying.pop(what, None)
+                return result
+            except StoreError as exc:
+                if not exc.retryable:
+                    raise
+                attempt += 1
+                self.stats.retries += 1
+                delay = min(30.0, 0.2 * 2 ** min(attempt, 10)) * random.uniform(0.5, 1.0)
+                self.stats.retrying[what] = f"{exc.code} (attempt {attempt}, next in {delay:.1f}s)"
+                log.warning("%s: %s; retrying in %.1fs (attempt %d)", what, exc.code, delay, attempt)
+                await trio.sleep(delay)
+
+    # -- one inode ---------------------------------------------------------------------
+
+    async def _reconcile_task(self, cand: schedule.Candidate) -> None:
+        try:
+            if cand.is_dir:
+                await self._reconcile_dir(cand)
+            else:
+                await self._reconcile_file(cand)
+            self.retry_after.pop(cand.ino, None)
+        except StoreError as exc:
+            # Permanent: keep the data dirty, show the error, try again later.
+            log.error("upload of %s failed permanently: %s", cand.path, exc)
+            self.stats.errors[cand.path] = exc.code
+            await self._write(lambda txn: txn.set_error(cand.ino, exc.code) if txn.get_inode(cand.ino) else None)
+            self.retry_after[cand.ino] = time.monotonic() + PERMANENT_RETRY_SECONDS
+        except OSError as exc:
+            log.error("reading the cache for %s failed: %s", cand.path, exc)
+            self.retry_after[cand.ino] = time.monotonic() + PERMANENT_RETRY_SECONDS
+        finally:
+            self.busy.discard(cand.ino)
+            self.stats.in_flight.pop(cand.ino, None)
+
+    def _load_file(self, txn: Txn, ino: int) -> FileJob | None:
+        inode = txn.get_inode(ino)
+        pending = txn.get_pending(ino)
+        if inode is None or pending is None or inode.nlink == 0:
+            return None
+        keys = sorted(p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino))
+        remote = txn.get_remote(ino)
+        durable = (remote is not None and inode.durable_generation == inode.generation
+                   and remote.generation == inode.generation)
+        return FileJob(
+            ino, inode.generation, keys, pending.changed_ns, inode.size, inode.mode, inode.uid,
+            inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
+            txn.get_upload(ino), pending.reason,
+        )
+
+    async def _reconcile_file(self, cand: schedule.Candidate) -> None:
+        job = await self._read(self._load_file, cand.ino)
+        if job is None or not job.keys:
+            await self._write(lambda txn: self._drop_if_gone(txn, cand.ino))
+            return
+        if any(k in self.deleting_keys for k in job.keys):
+            return  # a delete of this name is in flight; next round
+        self.busy_keys.update(job.keys)
+        started = time.monotonic()
+        try:
+            primary = job.keys[0]
+            if job.durable_in_bucket:
+                blake3 = job.remote.blake3
+                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3)
+                for key in job.keys:
+                    if key != job.remote.key or job.reason == "meta":
+                        await self._retry(f"copy {job.remote.key} -> {key}",
+                                          lambda key=key: self.store.copy(job.remote.key, key, metadata=meta))
+                        self.stats.copied_objects += 1
+                etag = job.remote.etag
+                size = job.remote.size
+            else:
+                etag, blake3, size = await self._upload(job, primary)
+                if etag is None:
+                    return  # generation moved during the upload: requeued
+                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3)
+                for key in job.keys[1:]:
+                    await self._retry(f"copy {primary} -> {key}",
+                                      lambda key=key: self.store.copy(primary, key, metadata=meta))
+                self.stats.uploaded_files += 1
+                self.stats.uploaded_bytes += size
+                self.stats.upload_seconds += time.monotonic() - started
+            record = RemoteRecord(primary, size, blake3, job.generation, etag or "")
+            latency = await self._write(self._commit_file, job, record)
+            if latency is not None:
+                self.stats.durable_latency = (self.stats.durable_latency + [latency])[-1000:]
+        finally:
+            self.busy_keys.difference_update(job.keys)
+
+    def _drop_if_gone(self, txn: Txn, ino: int) -> None:
+        inode = txn.get_inode(ino)
+        if inode is None or inode.nlink == 0 or txn.path_of(ino) is None:
+            txn.clear_pending(ino)
+
+    def _still_current(self, txn: Txn, job: FileJob) -> bool:
+        inode = txn.get_inode(job.ino)
+        return inode is not None and inode.nlink > 0 and inode.generation == job.generation
+
+    async def _upload(self, job: FileJob, key: str) -> tuple[str | None, str, int]:
+        """Upload the file's current generation to ``key``: (etag, blake3, size), or (None, "", 0)
+        if its generation moved meanwhile (the caller leaves it queued)."""
+        from .localio import SourceChangedError
+        from .upload import UploadAborted, upload_bytes, upload_file
+
+        await self._write(self._mark_uploading, job.ino, job.generation)
+        meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns)
+        if job.is_symlink:
+            result = await upload_bytes(self.store, key, job.target, meta, retry=self._retry)
+            return result.etag, result.blake3, len(job.target)
+
+        resume = None
+        if job.upload is not None:
+            if job.upload.generation == job.generation and job.upload.key == key:
+                if job.upload.phase == int(UploadPhase.COMPLETING):
+                    done = await self._completed_before_crash(job.upload)
+                    if done is not None:
+                        return done, job.upload.blake3, job.size
+                resume = job.upload
+            else:
+                await self._abort_recorded(job.ino, job.upload)
+        path = os.path.join(self.cache_dir, "data", f"{job.ino:x}")
+        moved = trio.Event()
+
+        async def on_created(record) -> None:
+            rec = UploadRecord(key, record.upload_id, job.generation, record.part_size, job.size,
+                               blake3=record.blake3)
+            await self._write(lambda txn: txn.put_upload(job.ino, rec) if self._still_current(txn, job) else None)
+
+        async def on_part_done(part: PartRecord) -> None:
+            def add(txn: Txn) -> None:
+                rec = txn.get_upload(job.ino)
+                if rec is not None:
+                    rec.parts = [p for p in rec.parts if p["number"] != part.number] + [part.to_dict()]
+                    txn.put_upload(job.ino, rec)
+
+            await self._write(add)
+            progress = self.stats.in_flight.get(job.ino)
+            if progress is not None:
+                progress["done"] += part.size
+
+        async def before_complete() -> bool:
+            """Last check before the object becomes visible: still this generation?"""
+            def check(txn: Txn) -> bool:
+                if not self._still_current(txn, job):
+                    return False
+                rec = txn.get_upload(job.ino)
+                if rec is not None:
+                    rec.phase = int(UploadPhase.COMPLETING)
+                    txn.put_upload(job.ino, rec)
+                return True
+
+            return await self._write(check)
+
+        async def watch_generation() -> None:
+            # should_abort() is polled on the loop: keep it a flag, read fsmeta in a thread.
+            while not moved.is_set():
+                await trio.sleep(0.2)
+                if not await self._read(self._still_current, job):
+                    moved.set()
+
+        self.stats.in_flight[job.ino] = {"path": key, "size": job.size, "done": 0}
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_generation)
+                try:
+                    result = await upload_file(
+                        self.store, key, path, meta,
+                        size=job.size,
+                        part_size=self.part_size,
+                        concurrency=self.concurrency,
+                        part_limiter=self.part_limiter,
+                        resume=resume,
+                        on_created=on_created,
+                        on_part_done=on_part_done,
+                        before_complete=before_complete,
+                        should_abort=moved.is_set,
+                        retry=self._retry,
+                    )
+                finally:
+                    nursery.cancel_scope.cancel()
+        except (UploadAborted, SourceChangedError) as exc:
+            log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
+            await self._write(lambda txn: txn.delete_upload(job.ino))
+            return None, "", 0
+        return result.etag, result.blake3, job.size
+
+    async def _completed_before_crash(self, rec: UploadRecord) -> str | None:
+        """A crash after CompleteMultipartUpload, before the fsmeta commit: is the object there?"""
+        info = await self._retry(f"head {rec.key}", lambda: self.store.head(rec.key))
+        if info is not None and info.size == rec.size and info.metadata.get("blake3") == rec.blake3:
+            log.info("%s: completed before a crash; recording it as durable", rec.key)
+            return info.etag
+        return None
+
+    def _mark_uploading(self, txn: Txn, ino: int, generation: int) -> None:
+        inode = txn.get_inode(ino)
+        if inode is not None and inode.generation == generation and inode.state == FileState.DIRTY:
+            inode.state = FileState.UPLOADING
+            txn.put_inode(inode)
+
+    async def _abort_recorded(self, ino: int, rec: UploadRecord) -> None:
+        try:
+            await self._retry(f"abort upload {rec.key}", lambda: self.store.abort_multipart(rec.key, rec.upload_id))
+        except StoreError as exc:
+            if exc.code != "NoSuchUpload":
+                raise
+        await self._write(lambda txn: txn.delete_upload(ino))
+
+    def _commit_file(self, txn: Txn, job: FileJob, record: RemoteRecord) -> float | None:
+        """Record what is now in the bucket; clear pending only if nothing moved meanwhile."""
+        inode = txn.get_inode(job.ino)
+        txn.delete_upload(job.ino)
+        current_keys = sorted(p.decode("utf-8", "surrogateescape") for p in txn.paths_of(job.ino)) if inode else []
+        if inode is None or inode.nlink == 0 or not current_keys:
+            # Unlinked meanwhile: what we wrote must go again.
+            for key in job.keys:
+                txn.add_tombstone(key)
+            return None
+        if inode.generation != job.generation:
+            if inode.state == FileState.UPLOADING:
+                inode.state = FileState.DIRTY
+                txn.put_inode(inode)
+            return None  # content moved on; pending stays, next round uploads again
+        old = txn.get_remote(job.ino)
+        txn.put_remote(job.ino, record)
+        if old is not None and old.key != record.key and old.key not in current_keys:
+            txn.add_tombstone(old.key)
+        inode.durable_generation = job.generation
+        inode.state = FileState.DURABLE
+        txn.put_inode(inode)
+        txn.clear_error(job.ino)
+        pending = txn.get_pending(job.ino)
+        if current_keys != job.keys or pending is None or pending.changed_ns != job.changed_ns:
+            return None  # renamed or changed meanwhile: the next round moves it
+        txn.clear_pending(job.ino)
+        return (self.clock() - pending.since_ns) / 1e9
+
+    # -- directories -----------------------------------------------------------------------
+
+    def _expand_dir(self, txn: Txn, ino: int) -> dict | None:
+        """Queue every descendant whose bucket name is stale (after a directory rename)."""
+        inode = txn.get_inode(ino)
+        pending = txn.get_pending(ino)
+        path = txn.path_of(ino)
+        if inode is None or pending is None or path is None or inode.nlink == 0:
+            txn.clear_pending(ino)
+            return None
+        now = self.clock()
+        for rel, child in txn.iter_subtree(ino):
+            remote = txn.get_remote(child)
+            if remote is None:
+                continue
+            full = (path + b"/" + rel if path else rel).decode("utf-8", "surrogateescape")
+            child_inode = txn.get_inode(child)
+            expected = full + "/" if child_inode is not None and child_inode.is_dir else full
+            if remote.key != expected and txn.get_pending(child) is None:
+                txn.namespace_changed(child, now)
+        return {
+            "path": path.decode("utf-8", "surrogateescape"),
+            "empty": txn.dir_is_empty(ino),
+            "remote": txn.get_remote(ino),
+            "changed_ns": pending.changed_ns,
+            "mode": inode.mode, "uid": inode.uid, "gid": inode.gid, "mtime_ns": inode.mtime_ns,
+        }
+
+    async def _reconcile_dir(self, cand: schedule.Candidate) -> None:
+        info = await self._write(self._expand_dir, cand.ino)
+        if info is None:
+            return
+        marker = info["path"] + "/" if info["path"] else None
+        remote = info["remote"]
+        put_marker = marker is not None and info["empty"] and (remote is None or remote.key != marker)
+        if put_marker:
+            meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
+            await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
+
+        def commit(txn: Txn) -> None:
+            inode = txn.get_inode(cand.ino)
+            if inode is None or inode.nlink == 0:
+                if put_marker:
+                    txn.add_tombstone(marker)
+                return
+            if put_marker:
+                txn.put_remote(cand.ino, RemoteRecord(marker, 0, "", inode.generation))
+            if remote is not None and remote.key != marker:
+                txn.add_tombstone(remote.key)
+                if not put_marker:
+                    txn.delete_remote(cand.ino)
+            pending = txn.get_pending(cand.ino)
+            current = txn.path_of(cand.ino)
+            if (pending is not None and pending.changed_ns == info["changed_ns"]
+                    and current is not None and current.decode("utf-8", "surrogateescape") == info["path"]):
+                txn.clear_pending(cand.ino)
+
+        await self._write(commit)
+
+    # -- deletions -------------------------------------------------------------------------
+
+    def _classify_tombstones(self, txn: Txn, items: list[tuple[str, dict]]) -> tuple[list, list]:
+        """(to delete, to drop): a key that is live again or a copy source is not deleted."""
+        delete, drop = [], []
+        for key, rec in items:
+            raw = key.rstrip("/").encode("utf-8", "surrogateescape")
+            live = txn.resolve(raw)
+            if live is not None and key.endswith("/"):
+                live_inode = txn.get_inode(live)
+                is_live = live_inode is not None and live_inode.is_dir
+            else:
+                is_live = live is not None
+            if is_live or txn.owner_of_remote_key(key) is not None:
+                drop.append((key, rec))
+            else:
+                delete.append((key, rec))
+        return delete, drop
+
+    async def _tombstone_task(self, items: list[tuple[str, dict]]) -> None:
+        try:
+            items = [(k, r) for k, r in items if k not in self.busy_keys]
+            delete, drop = await self._read(self._classify_tombstones, items)
+            self.deleting_keys.update(k for k, _ in delete)
+            try:
+                for key, rec in delete:
+                    if rec.get("upload_id"):
+                        try:
+                            await self._retry(f"abort upload {key}",
+                                              lambda key=key, rec=rec: self.store.abort_multipart(key, rec["upload_id"]))
+                        except StoreError as exc:
+                            if exc.code != "NoSuchUpload":
+                                raise
+                for batch in schedule.order_tombstones([k for k, _ in delete], self.markers):
+                    failed = await self._retry(f"delete {len(batch)} objects", lambda batch=batch: self._delete_batch(batch))
+                    self.stats.deleted_objects += len(batch) - len(failed)
+            finally:
+                self.deleting_keys.clear()
+
+            def commit(txn: Txn) -> None:
+                current = dict(txn.iter_tombstones())
+                for key, rec in delete + drop:
+                    if current.get(key) == rec:
+                        txn.remove_tombstone(key)
+
+            await self._write(commit)
+        except StoreError as exc:
+            log.error("deleting objects failed: %s", exc)
+            self.stats.errors["(deletes)"] = exc.code
+            await trio.sleep(PERMANENT_RETRY_SECONDS)
+        finally:
+            self.tombstones_running = False
+
+    async def _delete_batch(self, keys: list[str]) -> dict:
+        failed = await self.store.delete_many(keys)
+        retryable = [e for e in failed.values() if e.retryable]
+        if retryable:
+            raise retryable[0]
+        if failed:
+            raise next(iter(failed.values()))
+        return failed
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def _status_loop(self) -> None:
+        while True:
+            await self._publish_status()
+            await trio.sleep(STATUS_SECONDS)
+
+    async def _publish_status(self) -> None:
+        s = self.stats
+        status = {
+            "pid": os.getpid(),
+            "updated_ns": self.clock(),
+            "uploaded_bytes": s.uploaded_bytes,
+            "uploaded_files": s.uploaded_files,
+            "copied_objects": s.copied_objects,
+            "deleted_objects": s.deleted_objects,
+            "retries": s.retries,
+            "upload_seconds": s.upload_seconds,
+            "in_flight": {str(k): v for k, v in s.in_flight.items()},
+            "retrying": dict(s.retrying),
+            "errors": dict(s.errors),
+            "durable_latency": s.durable_latency[-100:],
+        }
+        await self._write(lambda txn: txn.put_drain_status(status))
+
+
+def is_regular(mode: int) -> bool:
+    return stat.S_ISREG(mode)

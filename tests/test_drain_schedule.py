@@ -1,0 +1,68 @@
+"""Drain order: oldest settled first, writers and the settle window respected, markers last."""
+
+from drain.schedule import Candidate, eligible, order_tombstones
+
+MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
+S = 1_000_000_000
+
+
+def cand(ino, path, since=0, changed=0, writers=0, urgent=False, is_dir=False):
+    return Candidate(ino, path, since * S, changed * S, is_dir, writers, urgent)
+
+
+def paths(cands):
+    return [c.path for c in cands]
+
+
+def test_oldest_first():
+    cs = [cand(1, "b", since=5), cand(2, "a", since=1), cand(3, "c", since=3)]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["a", "c", "b"]
+
+
+def test_open_writer_and_settle_window_hold_a_file_back():
+    cs = [cand(1, "open", writers=1), cand(2, "fresh", changed=99.5), cand(3, "settled", changed=90)]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["settled"]
+
+
+def test_urgent_ignores_writer_and_settle():
+    cs = [cand(1, "fsynced", writers=1, changed=100, urgent=True)]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["fsynced"]
+
+
+def test_busy_inode_not_started_twice():
+    cs = [cand(1, "a")]
+    assert eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy={1}) == []
+
+
+def test_marker_waits_for_shards_in_its_directory_and_below():
+    cs = [cand(1, "step_1/.metadata", since=0), cand(2, "step_1/__0_0.distcp", since=1),
+          cand(3, "step_1/sub/shard", since=2), cand(4, "step_2/x", since=3)]
+    got = paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set()))
+    assert "step_1/.metadata" not in got
+    assert got == ["step_1/__0_0.distcp", "step_1/sub/shard", "step_2/x"]
+
+
+def test_marker_goes_once_shards_are_durable():
+    cs = [cand(1, "step_1/.metadata"), cand(4, "step_2/x")]
+    assert "step_1/.metadata" in paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set()))
+
+
+def test_markers_in_same_directory_do_not_deadlock():
+    cs = [cand(1, "step_1/.metadata"), cand(2, "step_1/commit_success.txt")]
+    assert len(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == 2
+
+
+def test_latest_pointer_waits_for_deeper_markers():
+    cs = [cand(1, "run/latest"), cand(2, "run/step_9/.metadata")]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["run/step_9/.metadata"]
+
+
+def test_marker_patterns_are_configurable():
+    cs = [cand(1, "ck/DONE"), cand(2, "ck/shard")]
+    got = paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=["DONE"], busy=set()))
+    assert got == ["ck/shard"]
+
+
+def test_deletes_put_markers_first():
+    batches = order_tombstones(["s/a", "s/.metadata", "s/b", "s/"], MARKERS)
+    assert batches == [["s/.metadata"], ["s/", "s/a", "s/b"]]
