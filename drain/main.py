@@ -48,6 +48,7 @@ def open_store_for(settings):
         endpoint_url=settings.endpoint_url,
         region=settings.region,
         checksum=settings.checksum,
+        sign_payload=bool(getattr(settings, "sign_payload", False)),
         max_pool_connections=max(16, int(settings.concurrency) * 2),
     )
 
@@ -109,10 +110,12 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
     try:
         trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
     except Exception as exc:
-        from .store import StoreError
+        from .store import StoreError, exception_leaves
 
-        if isinstance(exc, StoreError):
-            print(f"ckptfs: drain: {exc}", file=sys.stderr)
+        # Raised inside _run's nursery, a StoreError arrives wrapped in an ExceptionGroup.
+        leaves = exception_leaves(exc)
+        if leaves and all(isinstance(leaf, StoreError) for leaf in leaves):
+            print(f"ckptfs: drain: {leaves[0]}", file=sys.stderr)
             return 1
         raise
     finally:

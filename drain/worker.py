@@ -31,14 +31,16 @@ from fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord
 from fsmeta.txn import Txn
 
 from . import schedule
-from .store import ObjectStore, PartRecord, StoreError
+from .store import NotFoundError, ObjectStore, PartRecord, StoreError
 
 log = logging.getLogger("ckptfs.drain")
 
 POLL_SECONDS = 0.1
 STATUS_SECONDS = 1.0
-PERMANENT_RETRY_SECONDS = 60.0
+PERMANENT_RETRY_SECONDS = 60.0  # longest wait before retrying a file after a permanent error
+PERMANENT_RETRY_FIRST = 5.0  # first wait; doubles per consecutive failure up to the above
 STALE_UPLOAD_SECONDS = 24 * 3600
+WAIT_SOURCE_SECONDS = 0.2  # re-check of a file whose key still holds another inode's content
 
 
 def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "") -> dict[str, str]:
@@ -73,6 +75,7 @@ class FileJob:
     remote: RemoteRecord | None
     upload: UploadRecord | None
     reason: str
+    prior_attempt: bool = False  # state UPLOADING: an earlier attempt may have left an upload behind
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Drain:
         self.busy_keys: set[str] = set()
         self.deleting_keys: set[str] = set()
         self.retry_after: dict[int, float] = {}  # ino -> monotonic time of next attempt
+        self.failures: dict[int, int] = {}  # ino -> consecutive permanent failures (backoff)
         self.tombstones_running = False
         self.stats = DrainStats()
         self.part_limiter = trio.CapacityLimiter(self.concurrency)
@@ -203,6 +207,9 @@ class Drain:
                 delay = min(30.0, 0.2 * 2 ** min(attempt, 10)) * random.uniform(0.5, 1.0)
                 self.stats.retrying[what] = f"{exc.code} (attempt {attempt}, next in {delay:.1f}s)"
                 log.warning("%s: %s; retrying in %.1fs (attempt %d)", what, exc.code, delay, attempt)
+                if attempt == 1:
+                    # visible right away, also before the status loop runs (startup check)
+                    await self._publish_status()
                 await trio.sleep(delay)
 
     # -- one inode ---------------------------------------------------------------------
@@ -213,13 +220,18 @@ class Drain:
                 await self._reconcile_dir(cand)
             else:
                 await self._reconcile_file(cand)
-            self.retry_after.pop(cand.ino, None)
+            if self.retry_after.get(cand.ino, 0) <= time.monotonic():
+                self.retry_after.pop(cand.ino, None)
+            self.failures.pop(cand.ino, None)
         except StoreError as exc:
-            # Permanent: keep the data dirty, show the error, try again later.
+            # Permanent: keep the data dirty, show the error, try again later (5 s, 10 s, ...
+            # up to a minute: an operator who fixes the bucket policy sees uploads resume soon).
             log.error("upload of %s failed permanently: %s", cand.path, exc)
             self.stats.errors[cand.path] = exc.code
             await self._write(lambda txn: txn.set_error(cand.ino, exc.code) if txn.get_inode(cand.ino) else None)
-            self.retry_after[cand.ino] = time.monotonic() + PERMANENT_RETRY_SECONDS
+            n = self.failures[cand.ino] = self.failures.get(cand.ino, 0) + 1
+            wait = min(PERMANENT_RETRY_SECONDS, PERMANENT_RETRY_FIRST * 2 ** min(n - 1, 10))
+            self.retry_after[cand.ino] = time.monotonic() + wait
         except OSError as exc:
             log.error("reading the cache for %s failed: %s", cand.path, exc)
             self.retry_after[cand.ino] = time.monotonic() + PERMANENT_RETRY_SECONDS
@@ -239,7 +251,7 @@ class Drain:
         return FileJob(
             ino, inode.generation, keys, pending.changed_ns, inode.size, inode.mode, inode.uid,
             inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
-            txn.get_upload(ino), pending.reason,
+            txn.get_upload(ino), pending.reason, inode.state == FileState.UPLOADING,
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:
@@ -247,19 +259,31 @@ class Drain:
         if job is None or not job.keys:
             await self._write(lambda txn: self._drop_if_gone(txn, cand.ino))
             return
-        if any(k in self.deleting_keys for k in job.keys):
-            return  # a delete of this name is in flight; next round
+        if any(k in self.deleting_keys or k in self.busy_keys for k in job.keys):
+            return  # a delete of, or another write to, this name is in flight; next round
         self.busy_keys.update(job.keys)
         started = time.monotonic()
         try:
+            if (await self._read(self._blocking_owner, job.ino, job.keys) is not None
+                    and await self._write(self._must_wait_for_sources, job)):
+                # Another inode's content still sits at one of our keys: give its move
+                # the slot (with concurrency 1 we would otherwise be picked first forever).
+                self.retry_after[job.ino] = time.monotonic() + WAIT_SOURCE_SECONDS
+                return
             primary = job.keys[0]
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3)
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
-                        await self._retry(f"copy {job.remote.key} -> {key}",
-                                          lambda key=key: self.store.copy(job.remote.key, key, metadata=meta))
+                        try:
+                            await self._retry(f"copy {job.remote.key} -> {key}",
+                                              lambda key=key: self.store.copy(job.remote.key, key, metadata=meta))
+                        except NotFoundError:
+                            # The source object vanished (deleted outside ckptfs): upload from the cache.
+                            log.warning("%s: copy source %s is gone; uploading from the cache", key, job.remote.key)
+                            await self._write(self._forget_bucket_copy, job.ino)
+                            return
                         self.stats.copied_objects += 1
                 etag = job.remote.etag
                 size = job.remote.size
@@ -280,6 +304,77 @@ class Drain:
                 self.stats.durable_latency = (self.stats.durable_latency + [latency])[-1000:]
         finally:
             self.busy_keys.difference_update(job.keys)
+
+    @staticmethod
+    def _blocking_owner(txn: Txn, ino: int, keys: list[str]) -> int | None:
+        """Another live, still-pending inode whose bucket content is the object at one of ``keys``."""
+        for key in keys:
+            owner = txn.owner_of_remote_key(key)
+            if owner is None or owner == ino:
+                continue
+            inode = txn.get_inode(owner)
+            if inode is None or inode.nlink == 0 or txn.get_pending(owner) is None:
+                continue
+            if inode.durable_generation != inode.generation:
+                continue  # it will be uploaded from the cache, not copied from this object
+            return owner
+        return None
+
+    def _must_wait_for_sources(self, txn: Txn, job: FileJob) -> bool:
+        """True if writing ``job.keys`` now would destroy content another inode still needs.
+
+        After ``mv a a.bak; mv new a`` (or RENAME_EXCHANGE), the object at ``a`` is
+        the copy source of the inode now named ``a.bak``: uploading or copying onto
+        ``a`` must wait until that copy is done. If the moves form a cycle (exchange,
+        rotation), this inode stops depending on its own object — it is uploaded
+        again from the cache instead of copied — so the others can go first.
+        """
+        blocker = self._blocking_owner(txn, job.ino, job.keys)
+        if blocker is None:
+            return False
+        seen = {job.ino}
+        cur = blocker
+        for _ in range(1024):
+            keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)]
+            nxt = self._blocking_owner(txn, cur, keys)
+            if nxt is None or (nxt in seen and nxt != job.ino):
+                return True  # a plain wait (or a cycle that does not pass through us)
+            if nxt == job.ino:
+                break
+            seen.add(nxt)
+            cur = nxt
+        else:
+            return True
+        inode = txn.get_inode(job.ino)
+        remote = txn.get_remote(job.ino)
+        if inode is None or remote is None:
+            return True
+        try:
+            cached = job.is_symlink or (
+                os.stat(os.path.join(self.cache_dir, "data", f"{job.ino:x}")).st_size >= inode.size)
+        except FileNotFoundError:
+            cached = False
+        if not cached:
+            log.warning("%s: its bucket object is needed elsewhere and the cache no longer holds it",
+                        job.keys[0])
+            return True
+        log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
+        txn.delete_remote(job.ino)
+        inode.durable_generation = 0
+        inode.state = FileState.DIRTY
+        txn.put_inode(inode)
+        txn.mark_pending(job.ino, self.clock(), "data")
+        return True
+
+    def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
+        """The bucket no longer holds this inode's content: the next round uploads it."""
+        inode = txn.get_inode(ino)
+        txn.delete_remote(ino)
+        if inode is not None:
+            inode.durable_generation = 0
+            inode.state = FileState.DIRTY
+            txn.put_inode(inode)
+            txn.mark_pending(ino, self.clock(), "data")
 
     def _drop_if_gone(self, txn: Txn, ino: int) -> None:
         inode = txn.get_inode(ino)
@@ -352,7 +447,21 @@ class Drain:
                 if not await self._read(self._still_current, job):
                     moved.set()
 
+        creates = 0
+
+        async def retry(what, op):
+            if not what.startswith("CreateMultipartUpload"):
+                return await self._retry(what, op)
+
+            async def counted():
+                nonlocal creates
+                creates += 1
+                return await op()
+
+            return await self._retry(what, counted)
+
         self.stats.in_flight[job.ino] = {"path": key, "size": job.size, "done": 0}
+        failure: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_generation)
@@ -368,15 +477,43 @@ class Drain:
                         on_part_done=on_part_done,
                         before_complete=before_complete,
                         should_abort=moved.is_set,
-                        retry=self._retry,
+                        retry=retry,
                     )
+                except Exception as exc:
+                    # Raised below, outside the nursery: from inside it would come out
+                    # wrapped in an ExceptionGroup, which no `except StoreError` matches.
+                    failure = exc
                 finally:
                     nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         except (UploadAborted, SourceChangedError) as exc:
             log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             await self._write(lambda txn: txn.delete_upload(job.ino))
             return None, "", 0
+        if result.multipart and (creates > 1 or job.prior_attempt):
+            await self._abort_orphans(key, result.upload_id)
         return result.etag, result.blake3, job.size
+
+    async def _abort_orphans(self, key: str, keep: str | None) -> None:
+        """Abort multipart uploads of exactly ``key`` that no fsmeta record knows.
+
+        A crash between CreateMultipartUpload and recording its id, or a Create whose
+        response was lost and retried, leaves an upload nobody will complete (the
+        24-hour stale sweep would only get it a day later). Called after such a
+        file's upload succeeded; another node writing the very same key at the same
+        time would lose its upload, which for a checkpoint shard is a conflict anyway.
+        """
+        try:
+            uploads = await self.store.list_multipart_uploads(key)
+            known = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
+            for info in uploads:
+                if info.key != key or info.upload_id == keep or info.upload_id in known:
+                    continue
+                log.info("aborting multipart upload %s of %s left by an earlier attempt", info.upload_id, key)
+                await self.store.abort_multipart(key, info.upload_id)
+        except StoreError as exc:
+            log.warning("could not clean up earlier multipart uploads of %s: %s", key, exc)
 
     async def _completed_before_crash(self, rec: UploadRecord) -> str | None:
         """A crash after CompleteMultipartUpload, before the fsmeta commit: is the object there?"""
@@ -465,8 +602,14 @@ class Drain:
         remote = info["remote"]
         put_marker = marker is not None and info["empty"] and (remote is None or remote.key != marker)
         if put_marker:
+            if marker in self.deleting_keys or marker in self.busy_keys:
+                return  # the old directory's marker is being deleted; next round
             meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
-            await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
+            self.busy_keys.add(marker)
+            try:
+                await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
+            finally:
+                self.busy_keys.discard(marker)
 
         def commit(txn: Txn) -> None:
             inode = txn.get_inode(cand.ino)
@@ -501,7 +644,14 @@ class Drain:
                 is_live = live_inode is not None and live_inode.is_dir
             else:
                 is_live = live is not None
-            if is_live or txn.owner_of_remote_key(key) is not None:
+            owner = txn.owner_of_remote_key(key)
+            if owner is not None:
+                # A removed directory (rmdir, replaced by a rename) keeps its inode and
+                # remote record while the kernel holds a reference: that protects nothing.
+                owner_inode = txn.get_inode(owner)
+                if owner_inode is None or owner_inode.nlink == 0:
+                    owner = None
+            if is_live or owner is not None:
                 drop.append((key, rec))
             else:
                 delete.append((key, rec))
@@ -510,10 +660,18 @@ class Drain:
     async def _tombstone_task(self, items: list[tuple[str, dict]]) -> None:
         try:
             items = [(k, r) for k, r in items if k not in self.busy_keys]
-            delete, drop = await self._read(self._classify_tombstones, items)
-            self.deleting_keys.update(k for k, _ in delete)
+            # Reserve the keys before deciding: a file that gets one of these names while
+            # the decision is made must not be uploaded until the delete is done.
+            self.deleting_keys.update(k for k, _ in items)
             try:
-                for key, rec in delete:
+                delete, drop = await self._read(self._classify_tombstones, items)
+            except BaseException:
+                self.deleting_keys.clear()
+                raise
+            self.deleting_keys.difference_update(k for k, _ in drop)
+            try:
+                # A dropped tombstone (its name is live again) still carries a dead upload.
+                for key, rec in delete + drop:
                     if rec.get("upload_id"):
                         try:
                             await self._retry(f"abort upload {key}",

@@ -275,17 +275,24 @@ class Txn:
         raw = self._get("remote", schema.ino_key(ino))
         return RemoteRecord.from_bytes(raw) if raw is not None else None
 
+    def _drop_remote_key(self, key: str, ino: int) -> None:
+        """Remove ``key`` from the reverse index if it still names ``ino`` (another inode
+        may have taken the key over, e.g. a directory re-created under a removed one's name)."""
+        raw = self._get("remote_keys", key.encode())
+        if raw is not None and schema.unpack_u64(raw) == ino:
+            self._delete("remote_keys", key.encode())
+
     def put_remote(self, ino: int, rec: RemoteRecord) -> None:
         old = self.get_remote(ino)
         if old is not None:
-            self._delete("remote_keys", old.key.encode())
+            self._drop_remote_key(old.key, ino)
         self._put("remote", schema.ino_key(ino), rec.to_bytes())
         self._put("remote_keys", rec.key.encode(), schema.pack_u64(ino))
 
     def delete_remote(self, ino: int) -> None:
         old = self.get_remote(ino)
         if old is not None:
-            self._delete("remote_keys", old.key.encode())
+            self._drop_remote_key(old.key, ino)
             self._delete("remote", schema.ino_key(ino))
 
     def owner_of_remote_key(self, key: str) -> int | None:

@@ -17,6 +17,9 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
+CHECKSUMS = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
+
+
 class ConfigError(ValueError):
     """A setting is wrong; the message starts with the setting's name."""
 
@@ -71,7 +74,8 @@ class Settings:
     part_size: int = 64 * MIB
     concurrency: int = 8
     markers: list = field(default_factory=lambda: list(DEFAULT_MARKERS))
-    checksum: str = "crc32"
+    checksum: str = "auto"  # auto = crc32c (hardware) when available, else crc32
+    sign_payload: bool = False  # True: SHA-256 payload signature (for servers that verify no checksum)
     # raw [lifecycle] table, validated by lifecycle.rules
     lifecycle: dict = field(default_factory=dict)
 
@@ -127,8 +131,8 @@ class Settings:
             raise ConfigError(f"drain.concurrency: must be 1..256, got {self.concurrency!r}")
         if not isinstance(self.markers, list) or not all(isinstance(m, str) and m for m in self.markers):
             raise ConfigError(f"drain.markers: must be a list of file-name patterns, got {self.markers!r}")
-        if self.checksum not in ("crc32", "crc32c", "sha256", "md5", "none"):
-            raise ConfigError(f"drain.checksum: must be crc32, crc32c, sha256, md5 or none, got {self.checksum!r}")
+        if self.checksum not in CHECKSUMS:
+            raise ConfigError(f"drain.checksum: must be one of {', '.join(CHECKSUMS)}, got {self.checksum!r}")
         return self
 
 
@@ -154,6 +158,7 @@ _TOML_KEYS = {
         "concurrency": "concurrency",
         "markers": "markers",
         "checksum": "checksum",
+        "sign_payload": "sign_payload",
     },
 }
 
@@ -161,7 +166,7 @@ _TYPES = {
     "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
     "allow_other": bool, "cache_dir": str, "cache_max_size": (str, int), "cache_high_watermark": (int, float),
     "backpressure_timeout": (int, float), "settle_seconds": (int, float), "part_size": (str, int),
-    "concurrency": int, "markers": list, "checksum": str,
+    "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
 }
 
 

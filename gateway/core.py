@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from fsmeta import FileState, Inode, MetaStore, ROOT_INO, Txn
 
 from .errors import FsError
-from .writeback import WRITE_BEHIND_BYTES, start_writeback
+from .writeback import WriteBehind
 
 log = logging.getLogger("ckptfs.core")
 
@@ -86,7 +86,7 @@ class OpenFile:
     writers: int = 0
     attrs_dirty: bool = False  # size/mtime changed since last persisted
     needs_bump: bool = True  # next modification must bump the generation first
-    unqueued_bytes: int = 0  # written since writeback was last started (write-behind)
+    write_behind: WriteBehind = field(default_factory=WriteBehind)  # see gateway/writeback.py
     io_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -557,6 +557,7 @@ class FsCore:
             key = self._rel_key(txn, parent, name)
             txn.remove_entry(parent, name)
             txn.add_tombstone(key + "/", now_ns=now)
+            txn.delete_remote(ino)  # its marker protects nothing any more
             inode.nlink = 0
             inode.ctime_ns = now
             txn.clear_pending(ino)
@@ -628,6 +629,7 @@ class FsCore:
                 txn.remove_entry(new_parent, new_name)
                 if target.is_dir:
                     txn.add_tombstone(self._rel_key(txn, new_parent, new_name) + "/", now_ns=now)
+                    txn.delete_remote(target.ino)
                     target.nlink = 0
                     target.ctime_ns = now
                     txn.clear_pending(target.ino)
@@ -781,16 +783,18 @@ class FsCore:
             if of.needs_bump:
                 self._bump(of)
             written = os.pwrite(of.fd, data, offset)
-            of.unqueued_bytes += written
-            if of.unqueued_bytes >= WRITE_BEHIND_BYTES:
-                of.unqueued_bytes = 0
-                start_writeback(of.fd, 0, 0)
+            due = of.write_behind.note(offset, written)
             now = self.clock()
             with self._lock:
                 if offset + written > of.size:
                     of.size = offset + written
                 of.mtime_ns = of.ctime_ns = now
                 of.attrs_dirty = True
+        if due is not None:
+            # Outside the I/O lock: starting writeback can block on a full device
+            # queue, and waiting for old ranges is meant to hold back only this thread.
+            # The fd stays open: the kernel releases the file only after its writes.
+            of.write_behind.run(of.fd, due)
         return written
 
     def _persist(self, of: OpenFile) -> None:

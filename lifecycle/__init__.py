@@ -1,0 +1,56 @@
+"""Checkpoint-aware retention and tiering for the ckptfs bucket.
+
+Pure planning only: ``plan()`` turns a bucket listing plus rules into a
+``Plan``; executing it against the object store is the executor's job.
+"""
+
+from .catalog import MTIME_TAG, Catalog, Checkpoint, ListedObject, Series, build_catalog
+from .planner import (
+    DELETE,
+    KEEP,
+    TRANSITION,
+    CheckpointPlan,
+    Plan,
+    PlanSummary,
+    apply_plan,
+    plan,
+)
+from .render import plan_to_json, render_table, summary_to_json
+from .rules import (
+    LifecycleConfigError,
+    LifecycleRules,
+    Tier,
+    load_rules,
+    parse_rules,
+    rules_from_document,
+    rules_from_table,
+    validate_rules,
+)
+
+__all__ = [
+    "DELETE",
+    "KEEP",
+    "MTIME_TAG",
+    "TRANSITION",
+    "Catalog",
+    "Checkpoint",
+    "CheckpointPlan",
+    "LifecycleConfigError",
+    "LifecycleRules",
+    "ListedObject",
+    "Plan",
+    "PlanSummary",
+    "Series",
+    "Tier",
+    "apply_plan",
+    "build_catalog",
+    "load_rules",
+    "parse_rules",
+    "plan",
+    "plan_to_json",
+    "render_table",
+    "rules_from_document",
+    "rules_from_table",
+    "summary_to_json",
+    "validate_rules",
+]

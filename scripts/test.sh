@@ -4,5 +4,5 @@
 # Slow suites (soak, big benchmarks) are separate: see README.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --with-ceph
+scripts/setup.sh --test
 exec .venv/bin/python -m pytest tests integration -q -p no:cacheprovider "$@"

@@ -1,0 +1,945 @@
+"""S3 implementation of :class:`drain.store.ObjectStore` (aiobotocore + httpx, trio).
+
+Data path for ``upload_part`` / ``put_object`` (one read, no extra copies):
+
+1. one worker-thread call reads the file range with ``preadv`` in 4 MiB
+   chunks into a pooled ``bytearray`` and updates the checksum (and the
+   SHA-256 when ``sign_payload``) on each chunk while it is cache-hot;
+2. the buffer is handed to botocore wrapped in :class:`_Body`, an async
+   iterable of 1 MiB ``memoryview`` slices that httpx streams to the socket;
+3. the request is signed by :class:`CkptfsS3SigV4Auth`, which takes the
+   payload hash from the body (``UNSIGNED-PAYLOAD`` or the precomputed
+   SHA-256 hex) instead of letting botocore hash the body on the event loop
+   (botocore always SHA-256-hashes bodies over plain http, even when a
+   flexible checksum is present).
+
+Integrity is carried by the flexible checksum header
+(``x-amz-checksum-crc32c`` by default) or ``Content-MD5`` (``checksum="md5"``),
+verified by the server.  botocore's own checksum logic is set to
+``when_required`` so it adds nothing to data requests.  botocore retries are
+disabled (``total_max_attempts=1``): :func:`drain.upload.retry_forever` does
+retries with visible state.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import hashlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+
+import botocore.auth
+import botocore.exceptions
+from botocore import xform_name
+import trio
+from aiobotocore.config import AioConfig
+from aiobotocore.httpxsession import HttpxSession
+from aiobotocore.session import AioSession
+from botocore.auth import S3SigV4Auth
+
+from . import localio
+from .store import (
+    ListResult,
+    MiB,
+    ObjectInfo,
+    ObjectStore,
+    ObjectSummary,
+    PartRecord,
+    PutResult,
+    StoreError,
+    UploadInfo,
+    collapse_exception_group,
+    make_error,
+    normalize_etag,
+    validate_key,
+    validate_metadata,
+    validate_tags,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["S3Store", "CkptfsS3SigV4Auth"]
+
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
+BODY_CHUNK = 1 * MiB
+_SIGNER_NAME = "ckptfs-s3v4"
+
+
+class CkptfsS3SigV4Auth(S3SigV4Auth):
+    """S3 SigV4 signer that takes the payload hash from the request body
+    object (``body.payload_sha256``) when present: either ``UNSIGNED-PAYLOAD``
+    or a SHA-256 hex digest computed in a worker thread.  Everything else
+    (canonical request, headers, signature) is botocore's.  Only selected for
+    PutObject/UploadPart issued by :class:`S3Store`."""
+
+    def payload(self, request):
+        h = getattr(request.body, "payload_sha256", None)
+        if h is not None:
+            return h
+        return super().payload(request)
+
+
+# Registered under a private name: does not change botocore's behaviour for any
+# other client in the process.
+botocore.auth.AUTH_TYPE_MAPS.setdefault(_SIGNER_NAME, CkptfsS3SigV4Auth)
+
+
+def _choose_signer(signature_version=None, **kwargs):
+    if signature_version in ("v4", "s3v4"):
+        return _SIGNER_NAME
+    return None
+
+
+class _Body:
+    """Request body over an in-memory buffer.
+
+    * ``__len__`` -> botocore sets Content-Length (httpx then does not chunk);
+    * ``__aiter__`` -> httpx streams ``memoryview`` slices (no copy on our side;
+      h11 makes one copy per chunk when framing, unavoidable with httpx);
+    * ``read``/``seek``/``tell`` only to satisfy botocore's file-like checks;
+    * ``payload_sha256`` -> :class:`CkptfsS3SigV4Auth`.
+    """
+
+    def __init__(self, data, payload_sha256: str = UNSIGNED_PAYLOAD, chunk: int = BODY_CHUNK):
+        self._mv = memoryview(data).cast("B")
+        self.payload_sha256 = payload_sha256
+        self._chunk = chunk
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._mv)
+
+    def __bool__(self) -> bool:  # empty bodies are still bodies
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos : end])
+        self._pos = end
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            self._pos = pos
+        elif whence == 1:
+            self._pos += pos
+        else:
+            self._pos = len(self._mv) + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    async def __aiter__(self):
+        mv, step = self._mv, self._chunk
+        for i in range(0, len(mv), step):
+            yield mv[i : i + step]
+
+
+def _utc(d) -> _dt.datetime:
+    if d is None:
+        return _dt.datetime.fromtimestamp(0, _dt.timezone.utc)
+    if d.tzinfo is None:
+        return d.replace(tzinfo=_dt.timezone.utc)
+    return d.astimezone(_dt.timezone.utc)
+
+
+_FLEX_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
+
+_STATUS_CODES = {
+    301: "PermanentRedirect",
+    304: "NotModified",
+    400: "BadRequest",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    412: "PreconditionFailed",
+    416: "InvalidRange",
+    429: "TooManyRequests",
+    500: "InternalError",
+    501: "NotImplemented",
+    502: "BadGateway",
+    503: "ServiceUnavailable",
+    504: "GatewayTimeout",
+}
+
+
+class S3Store(ObjectStore):
+    #: keys per ListObjectsV2 page (S3 maximum: 1000)
+    list_page_size = 1000
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        checksum: str = "auto",
+        concurrency: int = 8,
+        max_pool_connections: int | None = None,
+        profile: str | None = None,
+        addressing_style: str | None = None,
+        sign_payload: bool = False,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        verify_tls: bool | str = True,
+        multipart_copy_threshold: int | None = None,
+        copy_part_size: int = 512 * MiB,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+    ):
+        self.bucket = bucket
+        self.prefix = prefix  # "" or "a/b/"
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{prefix}"
+        self.checksum_mode = localio.resolve_checksum_mode(checksum)
+        self.checksum_algorithm, self._new_checksum = localio.checksum_factory(self.checksum_mode)
+        self.sign_payload = sign_payload
+        self.concurrency = concurrency
+        self.max_pool_connections = max_pool_connections or concurrency + 4
+        self._profile = profile
+        self._region = region
+        self._addressing_style = addressing_style or ("path" if endpoint_url else "auto")
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._verify = verify_tls
+        self.multipart_copy_threshold = multipart_copy_threshold or self.max_put_size
+        if not (self.min_part_size <= copy_part_size <= self.max_part_size):
+            raise ValueError("copy_part_size must be within 5 MiB..5 GiB")
+        self.copy_part_size = copy_part_size
+        self._explicit_creds = (aws_access_key_id, aws_secret_access_key, aws_session_token)
+        self._client = None
+        self._client_ctx = None
+        self._open_lock = trio.Lock()
+        self._pool = localio.BufferPool(max_idle=concurrency)
+        self.region = region or "?"
+
+    # ------------------------------------------------------------------
+    # lifecycle
+
+    def _make_session(self) -> AioSession:
+        # Runs in a worker thread: reads ~/.aws/config, credentials files.
+        session = AioSession(profile=self._profile)
+        session.get_scoped_config()
+        return session
+
+    async def open(self) -> None:
+        async with self._open_lock:
+            if self._client is not None:
+                return
+            try:
+                session = await trio.to_thread.run_sync(self._make_session)
+            except botocore.exceptions.ProfileNotFound as e:
+                raise make_error(
+                    f"AWS profile {self._profile!r} not found in the shared config files",
+                    code="NoCredentials",
+                    retryable=False,
+                ) from e
+            region = (
+                self._region
+                or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION")
+                or session.get_config_variable("region")
+                or "us-east-1"
+            )
+            self.region = region
+            config = AioConfig(
+                http_session_cls=HttpxSession,
+                warm_up_loader_caches=True,  # load service JSON models in a thread
+                region_name=region,
+                signature_version="s3v4",
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                max_pool_connections=self.max_pool_connections,
+                connect_timeout=self._connect_timeout,
+                read_timeout=self._read_timeout,
+                connector_args={
+                    "keepalive_timeout": 30,
+                    "write_timeout": self._read_timeout,
+                    "pool_timeout": None,  # callers bound concurrency; waiting for a slot is fine
+                },
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                s3={"addressing_style": self._addressing_style},
+            )
+            ak, sk, tok = self._explicit_creds
+            ctx = session.create_client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name=region,
+                config=config,
+                verify=self._verify,
+                aws_access_key_id=ak,
+                aws_secret_access_key=sk,
+                aws_session_token=tok,
+            )
+            client = await ctx.__aenter__()
+            ev = client.meta.events
+            for op in ("PutObject", "UploadPart"):
+                ev.register_first(f"choose-signer.s3.{op}", _choose_signer, unique_id=f"ckptfs-signer-{op}")
+            if self.checksum_mode == "md5":
+                # botocore adds a CRC32 header to checksum-required ops; servers
+                # without flexible checksums (radosgw < 18) need Content-MD5.
+                for op in ("DeleteObjects", "PutObjectTagging", "PutBucketLifecycleConfiguration"):
+                    ev.register(f"before-call.s3.{op}", _add_content_md5, unique_id=f"ckptfs-md5-{op}")
+            self._client_ctx, self._client = ctx, client
+
+    async def aclose(self) -> None:
+        ctx, self._client_ctx, self._client = self._client_ctx, None, None
+        self._pool.clear()
+        if ctx is not None:
+            await ctx.__aexit__(None, None, None)
+
+    async def _c(self):
+        if self._client is None:
+            await self.open()
+        return self._client
+
+    # ------------------------------------------------------------------
+    # helpers
+
+    def _k(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) :] if self.prefix and full.startswith(self.prefix) else full
+
+    def _where(self) -> str:
+        ep = self.endpoint_url or "AWS default endpoint"
+        return f"bucket {self.bucket!r} at {ep} (region {self.region})"
+
+    def _translate(self, e: BaseException, op: str, key: str | None, *, head: bool = False) -> StoreError:
+        exc = botocore.exceptions
+        if isinstance(e, exc.ClientError):
+            err = e.response.get("Error", {}) or {}
+            meta = e.response.get("ResponseMetadata", {}) or {}
+            status = meta.get("HTTPStatusCode")
+            code = str(err.get("Code") or "")
+            msg = err.get("Message") or ""
+            if not code or code.isdigit():
+                st = status or (int(code) if code.isdigit() else None)
+                code = _STATUS_CODES.get(st, f"HTTP{st}")
+                if st == 404 and op in ("HeadBucket", "ListObjectsV2", "ListMultipartUploads"):
+                    code = "NoSuchBucket"
+            message = f"{op} on {self._where()} failed: {code}" + (f": {msg}" if msg else "")
+            return make_error(message, code=code, status=status, op=op, key=key, detail=msg or None)
+        if isinstance(e, (exc.NoCredentialsError, exc.PartialCredentialsError)):
+            return make_error(
+                f"{op} on {self._where()}: no usable AWS credentials found "
+                "(env AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, shared profile, or IRSA web identity)",
+                code="NoCredentials",
+                retryable=False,
+                op=op,
+                key=key,
+            )
+        if isinstance(e, exc.CredentialRetrievalError):
+            return make_error(
+                f"{op} on {self._where()}: could not fetch credentials ({type(e).__name__})",
+                code="CredentialRetrievalError",
+                retryable=True,
+                op=op,
+                key=key,
+            )
+        if isinstance(e, (exc.ReadTimeoutError, exc.ConnectTimeoutError)) or type(e).__name__ in (
+            "ReadTimeout",
+            "WriteTimeout",
+            "ConnectTimeout",
+            "PoolTimeout",
+            "TooSlowError",
+        ):
+            return make_error(f"{op} on {self._where()}: timeout ({e})", code="Timeout", retryable=True, op=op, key=key)
+        if isinstance(e, exc.SSLError):
+            permanent = "CERTIFICATE_VERIFY_FAILED" in str(e) or "certificate" in str(e).lower()
+            return make_error(
+                f"{op} on {self._where()}: TLS error ({e})", code="TLSError", retryable=not permanent, op=op, key=key
+            )
+        if isinstance(
+            e,
+            (
+                exc.EndpointConnectionError,
+                exc.ConnectionClosedError,
+                exc.ProxyConnectionError,
+                exc.HTTPClientError,
+                exc.ResponseStreamingError,
+                exc.IncompleteReadError,
+                ConnectionError,
+                trio.BrokenResourceError,
+            ),
+        ) or type(e).__name__ in ("ReadError", "WriteError", "ConnectError", "RemoteProtocolError", "CloseError"):
+            return make_error(
+                f"{op} on {self._where()}: connection error ({type(e).__name__}: {e})",
+                code="ConnectionError",
+                retryable=True,
+                op=op,
+                key=key,
+            )
+        if isinstance(e, exc.ParamValidationError):
+            raise ValueError(str(e)) from e
+        return make_error(
+            f"{op} on {self._where()}: unexpected {type(e).__name__}: {e}",
+            code="InternalError",
+            retryable=False,
+            op=op,
+            key=key,
+        )
+
+    async def _call(self, op: str, key: str | None = None, **params):
+        client = await self._c()
+        method = getattr(client, xform_name(op))
+        try:
+            return await method(**params)
+        except Exception as e:  # noqa: BLE001 - translated
+            raise self._translate(e, op, key) from e
+
+    async def _read_into_body(self, src, offset: int, length: int) -> tuple[bytearray | None, _Body, dict]:
+        """Read a file range (or checksum an in-memory buffer) in ONE worker
+        thread call; returns (pooled buffer or None, body, checksum params)."""
+        new_ck = self._new_checksum
+        sign = self.sign_payload
+
+        def work(buf):
+            hashers = []
+            ck = new_ck() if new_ck else None
+            if ck is not None:
+                hashers.append(ck)
+            sha = hashlib.sha256() if sign else None
+            if sha is not None:
+                hashers.append(sha)
+            if buf is not None:
+                localio.read_range(src, offset, length, memoryview(buf), hashers)
+            else:
+                for h in hashers:
+                    h.update(src)
+            return (ck.b64() if ck else None), (sha.hexdigest() if sha else UNSIGNED_PAYLOAD)
+
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            buf = None
+            if length <= 256 * 1024:
+                ck_b64, ph = work(None)
+            else:
+                ck_b64, ph = await trio.to_thread.run_sync(work, None)
+            body = _Body(src, ph)
+        else:
+            buf = self._pool.get(length)
+            try:
+                ck_b64, ph = await trio.to_thread.run_sync(work, buf)
+            except BaseException:
+                self._pool.put(buf)
+                raise
+            body = _Body(memoryview(buf)[:length], ph)
+        params = {}
+        if ck_b64 is not None:
+            if self.checksum_algorithm:
+                params[f"Checksum{self.checksum_algorithm}"] = ck_b64
+            else:
+                params["ContentMD5"] = ck_b64
+        return buf, body, params
+
+    # ------------------------------------------------------------------
+    # access / metadata
+
+    async def check_access(self, *, write: bool = False) -> None:
+        try:
+            await self._call("ListObjectsV2", None, Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            if write:
+                probe = f".ckptfs-probe/{secrets.token_hex(8)}"
+                await self._call("PutObject", probe, Bucket=self.bucket, Key=self._k(probe), Body=b"")
+                await self._call("DeleteObject", probe, Bucket=self.bucket, Key=self._k(probe))
+        except StoreError as e:
+            hint = _ACCESS_HINTS.get(e.code, "")
+            creds = await self._credential_source()
+            raise make_error(
+                f"cannot use {self._where()}{' with prefix ' + repr(self.prefix) if self.prefix else ''}: "
+                f"{e.code}{' (' + hint + ')' if hint else ''}; credentials {creds}"
+                + (f"; server said: {e.detail}" if e.detail else f"; {e.message}"),
+                code=e.code,
+                status=e.status,
+                retryable=e.retryable,
+                op=e.op,
+            ) from e
+
+    async def _credential_source(self) -> str:
+        """Where credentials came from (never the credentials themselves)."""
+        try:
+            client = await self._c()
+            creds = client._request_signer._credentials  # noqa: SLF001 - introspection only
+            if creds is None:
+                return "none found"
+            return f"from {getattr(creds, 'method', 'unknown source')}"
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        try:
+            # (no ChecksumMode=ENABLED: it needs kms:Decrypt on SSE-KMS buckets)
+            r = await self._call("HeadObject", key, Bucket=self.bucket, Key=self._k(key))
+        except StoreError as e:
+            if e.status == 404 or e.code in ("NoSuchKey", "NotFound"):
+                return None
+            raise
+        return ObjectInfo(
+            key=key,
+            size=int(r.get("ContentLength", 0)),
+            etag=normalize_etag(r.get("ETag")),
+            last_modified=_utc(r.get("LastModified")),
+            storage_class=r.get("StorageClass") or "STANDARD",
+            metadata=dict(r.get("Metadata") or {}),
+            content_type=r.get("ContentType"),
+            checksums={f[len("Checksum") :]: r[f] for f in _FLEX_FIELDS if r.get(f)},
+            restore=r.get("Restore"),
+        )
+
+    async def list_pages(
+        self, prefix: str = "", delimiter: str | None = None, *, start_after: str | None = None
+    ) -> AsyncIterator[ListResult]:
+        validate_key(prefix, allow_empty=True)
+        params = {"Bucket": self.bucket, "Prefix": self.prefix + prefix, "MaxKeys": self.list_page_size}
+        if delimiter:
+            params["Delimiter"] = delimiter
+        if start_after:
+            params["StartAfter"] = self.prefix + start_after
+        while True:
+            r = await self._call("ListObjectsV2", prefix, **params)
+            objs = [
+                ObjectSummary(
+                    key=self._rel(o["Key"]),
+                    size=int(o.get("Size", 0)),
+                    etag=normalize_etag(o.get("ETag")),
+                    last_modified=_utc(o.get("LastModified")),
+                    storage_class=o.get("StorageClass") or "STANDARD",
+                )
+                for o in r.get("Contents", [])
+            ]
+            prefixes = [self._rel(p["Prefix"]) for p in r.get("CommonPrefixes", [])]
+            if objs or prefixes:
+                yield ListResult(objs, prefixes)
+            if not r.get("IsTruncated"):
+                return
+            params["ContinuationToken"] = r["NextContinuationToken"]
+            params.pop("StartAfter", None)
+
+    # ------------------------------------------------------------------
+    # writes
+
+    async def put_object(
+        self,
+        key: str,
+        data,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        content_type: str | None = None,
+    ) -> PutResult:
+        full = self._k(key)
+        meta = validate_metadata(metadata)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            size = memoryview(data).nbytes
+            src = data
+        else:
+            src = os.fspath(data)
+            size = (await trio.to_thread.run_sync(os.stat, src)).st_size
+        if size > self.max_put_size:
+            raise ValueError(f"put_object of {size} bytes exceeds the single-PUT limit; use multipart")
+        buf, body, ck = await self._read_into_body(src, 0, size)
+        try:
+            params = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=meta, **ck)
+            if storage_class:
+                params["StorageClass"] = storage_class
+            if content_type:
+                params["ContentType"] = content_type
+            r = await self._call("PutObject", key, **params)
+        finally:
+            if buf is not None:
+                self._pool.put(buf)
+        return PutResult(
+            etag=normalize_etag(r.get("ETag")),
+            version_id=r.get("VersionId"),
+            checksum=next((ck[f] for f in ck if f.startswith("Checksum")), None),
+        )
+
+    async def create_multipart(
+        self,
+        key: str,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        content_type: str | None = None,
+        _checksum: bool = True,
+    ) -> str:
+        params = dict(Bucket=self.bucket, Key=self._k(key), Metadata=validate_metadata(metadata))
+        if storage_class:
+            params["StorageClass"] = storage_class
+        if content_type:
+            params["ContentType"] = content_type
+        if _checksum and self.checksum_algorithm:
+            params["ChecksumAlgorithm"] = self.checksum_algorithm
+        r = await self._call("CreateMultipartUpload", key, **params)
+        return r["UploadId"]
+
+    async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
+        if not 1 <= part_number <= self.max_parts:
+            raise ValueError(f"part number {part_number} out of range 1..{self.max_parts}")
+        if length > self.max_part_size:
+            raise ValueError(f"part of {length} bytes exceeds {self.max_part_size}")
+        full = self._k(key)
+        buf, body, ck = await self._read_into_body(os.fspath(path), offset, length)
+        try:
+            r = await self._call(
+                "UploadPart",
+                key,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=part_number,
+                Body=body,
+                **ck,
+            )
+        finally:
+            self._pool.put(buf)
+        checksum = ck.get(f"Checksum{self.checksum_algorithm}") if self.checksum_algorithm else None
+        return PartRecord(number=part_number, etag=normalize_etag(r.get("ETag")), size=length, checksum=checksum)
+
+    async def complete_multipart(self, key, upload_id, parts: Sequence[PartRecord]) -> PutResult:
+        if not parts:
+            raise ValueError("complete_multipart needs at least one part")
+        plist = []
+        for p in sorted(parts, key=lambda p: p.number):
+            d = {"PartNumber": p.number, "ETag": f'"{p.etag}"'}
+            if self.checksum_algorithm and p.checksum:
+                d[f"Checksum{self.checksum_algorithm}"] = p.checksum
+            plist.append(d)
+        r = await self._call(
+            "CompleteMultipartUpload",
+            key,
+            Bucket=self.bucket,
+            Key=self._k(key),
+            UploadId=upload_id,
+            MultipartUpload={"Parts": plist},
+        )
+        return PutResult(
+            etag=normalize_etag(r.get("ETag")),
+            version_id=r.get("VersionId"),
+            checksum=next((r[f] for f in _FLEX_FIELDS if r.get(f)), None),
+        )
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            await self._call("AbortMultipartUpload", key, Bucket=self.bucket, Key=self._k(key), UploadId=upload_id)
+        except StoreError as e:
+            if e.code == "NoSuchUpload" or e.status == 404:
+                return
+            raise
+
+    async def list_multipart_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        validate_key(prefix, allow_empty=True)
+        params = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        out: list[UploadInfo] = []
+        while True:
+            r = await self._call("ListMultipartUploads", prefix, **params)
+            for u in r.get("Uploads", []):
+                out.append(UploadInfo(self._rel(u["Key"]), u["UploadId"], _utc(u.get("Initiated"))))
+            if not r.get("IsTruncated"):
+                return out
+            params["KeyMarker"] = r.get("NextKeyMarker", "")
+            params["UploadIdMarker"] = r.get("NextUploadIdMarker", "")
+            if not params["KeyMarker"] and not params["UploadIdMarker"]:
+                return out
+
+    async def list_parts(self, key: str, upload_id: str) -> list[PartRecord]:
+        params = {"Bucket": self.bucket, "Key": self._k(key), "UploadId": upload_id}
+        out: list[PartRecord] = []
+        field = f"Checksum{self.checksum_algorithm}" if self.checksum_algorithm else None
+        while True:
+            try:
+                r = await self._call("ListParts", key, **params)
+            except StoreError as e:
+                if e.status == 404 and e.code != "NoSuchUpload":
+                    raise make_error(e.message, code="NoSuchUpload", status=404, op="ListParts", key=key) from e
+                raise
+            for p in r.get("Parts", []):
+                out.append(
+                    PartRecord(
+                        number=int(p["PartNumber"]),
+                        etag=normalize_etag(p.get("ETag")),
+                        size=int(p.get("Size", 0)),
+                        checksum=p.get(field) if field else None,
+                    )
+                )
+            if not r.get("IsTruncated"):
+                break
+            params["PartNumberMarker"] = r.get("NextPartNumberMarker")
+        out.sort(key=lambda p: p.number)
+        return out
+
+    async def copy(
+        self,
+        src_key: str,
+        dst_key: str,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        if_match: str | None = None,
+    ) -> PutResult:
+        src_full, dst_full = self._k(src_key), self._k(dst_key)
+        info = await self.head(src_key)
+        if info is None:
+            raise make_error(f"copy source {src_key!r} does not exist in {self._where()}", code="NoSuchKey", op="CopyObject", key=src_key)
+        if if_match is not None and normalize_etag(if_match) != info.etag:
+            raise make_error(
+                f"copy source {src_key!r} changed (etag {info.etag} != {if_match})",
+                code="PreconditionFailed",
+                op="CopyObject",
+                key=src_key,
+            )
+        source = {"Bucket": self.bucket, "Key": src_full}
+        if info.size <= self.multipart_copy_threshold:
+            params = dict(Bucket=self.bucket, Key=dst_full, CopySource=source, CopySourceIfMatch=f'"{info.etag}"')
+            if metadata is not None:
+                params["MetadataDirective"] = "REPLACE"
+                params["Metadata"] = validate_metadata(metadata)
+                if info.content_type:
+                    params["ContentType"] = info.content_type
+            if storage_class:
+                params["StorageClass"] = storage_class
+            r = await self._call("CopyObject", dst_key, **params)
+            res = r.get("CopyObjectResult", {})
+            return PutResult(etag=normalize_etag(res.get("ETag")), version_id=r.get("VersionId"))
+        return await self._multipart_copy(info, source, dst_key, metadata, storage_class)
+
+    async def _multipart_copy(self, info: ObjectInfo, source, dst_key, metadata, storage_class) -> PutResult:
+        meta = dict(info.metadata) if metadata is None else metadata
+        upload_id = await self.create_multipart(
+            dst_key, meta, storage_class=storage_class, content_type=info.content_type, _checksum=False
+        )
+        ps = self.copy_part_size
+        ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
+        if len(ranges) > self.max_parts:
+            ps = -(-info.size // self.max_parts)
+            ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
+        parts: list[PartRecord] = []
+        limiter = trio.Semaphore(self.concurrency)
+
+        async def one(num, off, ln):
+            async with limiter:
+                r = await self._call(
+                    "UploadPartCopy",
+                    dst_key,
+                    Bucket=self.bucket,
+                    Key=self._k(dst_key),
+                    UploadId=upload_id,
+                    PartNumber=num,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={off}-{off + ln - 1}",
+                    CopySourceIfMatch=f'"{info.etag}"',
+                )
+                parts.append(PartRecord(num, normalize_etag(r["CopyPartResult"]["ETag"]), ln))
+
+        try:
+            try:
+                async with trio.open_nursery() as n:
+                    for num, off, ln in ranges:
+                        n.start_soon(one, num, off, ln)
+            except BaseExceptionGroup as eg:
+                raise collapse_exception_group(eg) from None
+            res = await self.complete_multipart(dst_key, upload_id, parts)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.abort_multipart(dst_key, upload_id)
+                except Exception:  # noqa: BLE001
+                    log.warning("could not abort multipart copy %s of %s", upload_id, dst_key)
+            raise
+        # UploadPartCopy does not carry tags (CopyObject does): copy them.
+        try:
+            tags = await self.get_tags(info.key)
+            if tags:
+                await self.put_tags(dst_key, tags)
+        except StoreError as e:
+            if e.code not in ("AccessDenied", "NotImplemented", "NotSupported"):
+                raise
+        return res
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self._call("DeleteObject", key, Bucket=self.bucket, Key=self._k(key))
+        except StoreError as e:
+            if e.code == "NoSuchKey" or e.status == 404:
+                return
+            raise
+
+    async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
+        keys = list(keys)
+        failed: dict[str, StoreError] = {}
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            r = await self._call(
+                "DeleteObjects",
+                None,
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self._k(k)} for k in batch], "Quiet": True},
+            )
+            for e in r.get("Errors", []):
+                code = e.get("Code") or "InternalError"
+                if code == "NoSuchKey":
+                    continue
+                k = self._rel(e.get("Key", ""))
+                failed[k] = make_error(f"DeleteObjects: {code}: {e.get('Message', '')}", code=code, op="DeleteObjects", key=k)
+        return failed
+
+    # ------------------------------------------------------------------
+    # reads
+
+    async def _get(self, key: str, rng: str | None, if_match: str | None):
+        params = {"Bucket": self.bucket, "Key": self._k(key)}
+        if rng:
+            params["Range"] = rng
+        if if_match:
+            params["IfMatch"] = f'"{normalize_etag(if_match)}"'
+        return await self._call("GetObject", key, **params)
+
+    async def get_range(self, key: str, start: int, end: int, *, if_match: str | None = None) -> bytes:
+        if start < 0 or end < start:
+            raise ValueError(f"bad range [{start}, {end})")
+        if end == start:
+            return b""
+        try:
+            r = await self._get(key, f"bytes={start}-{end - 1}", if_match)
+        except StoreError as e:
+            if e.code == "InvalidRange":
+                return b""
+            raise
+        body = r["Body"]
+        try:
+            async with body:
+                return await body.read()
+        except Exception as e:  # noqa: BLE001
+            raise self._translate(e, "GetObject", key) from e
+
+    async def get_to_file(
+        self,
+        key: str,
+        dest,
+        offset: int = 0,
+        length: int | None = None,
+        *,
+        file_offset: int | None = None,
+        if_match: str | None = None,
+    ) -> int:
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError("bad range")
+        if length == 0:
+            return 0
+        rng = None
+        if length is not None:
+            rng = f"bytes={offset}-{offset + length - 1}"
+        elif offset:
+            rng = f"bytes={offset}-"
+        try:
+            r = await self._get(key, rng, if_match)
+        except StoreError as e:
+            if e.code == "InvalidRange":
+                return 0
+            raise
+        pos = offset if file_offset is None else file_offset
+        own = not isinstance(dest, int)
+        fd = (
+            await trio.to_thread.run_sync(os.open, os.fspath(dest), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if own
+            else dest
+        )
+        expected = int(r.get("ContentLength", -1))
+        written = 0
+        batch: list[bytes] = []
+        batch_bytes = 0
+        flush_at = 8 * MiB
+        body = r["Body"]
+        try:
+            try:
+                raw = getattr(body, "raw_stream", None)
+                # httpx: iterate the raw response (no re-buffering); else aiobotocore's API
+                chunks = raw.aiter_raw() if hasattr(raw, "aiter_raw") else body.iter_chunks(1 << 20)
+                async with body:
+                    async for chunk in chunks:
+                        batch.append(chunk)
+                        batch_bytes += len(chunk)
+                        if batch_bytes >= flush_at:
+                            written += await trio.to_thread.run_sync(localio.pwritev_all, fd, batch, pos + written)
+                            batch, batch_bytes = [], 0
+            except Exception as e:  # noqa: BLE001
+                raise self._translate(e, "GetObject", key) from e
+            if batch:
+                written += await trio.to_thread.run_sync(localio.pwritev_all, fd, batch, pos + written)
+        finally:
+            if own:
+                await trio.to_thread.run_sync(os.close, fd)
+        if expected >= 0 and written != expected:
+            raise make_error(
+                f"GetObject {key!r}: got {written} of {expected} bytes", code="IncompleteBody", op="GetObject", key=key
+            )
+        return written
+
+    # ------------------------------------------------------------------
+    # tags / lifecycle
+
+    async def get_tags(self, key: str) -> dict[str, str]:
+        r = await self._call("GetObjectTagging", key, Bucket=self.bucket, Key=self._k(key))
+        return {t["Key"]: t["Value"] for t in r.get("TagSet", [])}
+
+    async def put_tags(self, key: str, tags: Mapping[str, str]) -> None:
+        tags = validate_tags(tags)
+        await self._call(
+            "PutObjectTagging",
+            key,
+            Bucket=self.bucket,
+            Key=self._k(key),
+            Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in tags.items()]},
+        )
+
+    async def get_bucket_lifecycle(self) -> list[dict]:
+        try:
+            r = await self._call("GetBucketLifecycleConfiguration", None, Bucket=self.bucket)
+        except StoreError as e:
+            if e.code == "NoSuchLifecycleConfiguration":
+                return []
+            raise
+        return list(r.get("Rules", []))
+
+    async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
+        if not rules:
+            await self._call("DeleteBucketLifecycle", None, Bucket=self.bucket)
+            return
+        await self._call(
+            "PutBucketLifecycleConfiguration",
+            None,
+            Bucket=self.bucket,
+            LifecycleConfiguration={"Rules": [dict(r) for r in rules]},
+        )
+
+
+_ACCESS_HINTS = {
+    "NoSuchBucket": "the bucket does not exist at this endpoint",
+    "AccessDenied": "the credentials are valid but not allowed to list/write this bucket and prefix",
+    "AllAccessDisabled": "all access to this bucket has been disabled",
+    "InvalidAccessKeyId": "the access key id is not known to this endpoint",
+    "SignatureDoesNotMatch": "wrong secret key (or a proxy rewrote the request)",
+    "NoCredentials": "no credentials in env, profile or IRSA",
+    "ConnectionError": "cannot connect to the endpoint",
+    "Timeout": "the endpoint did not answer in time",
+    "PermanentRedirect": "the bucket is in another region; set the region",
+    "AuthorizationHeaderMalformed": "wrong region for this bucket; set the region",
+    "RequestTimeTooSkewed": "the local clock is off; fix NTP",
+    "TLSError": "TLS handshake/certificate problem",
+}
+
+
+def _add_content_md5(params, **kwargs):
+    body = params.get("body")
+    headers = params.setdefault("headers", {})
+    if isinstance(body, (bytes, bytearray)) and "Content-MD5" not in headers:
+        headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+

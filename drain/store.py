@@ -1,0 +1,768 @@
+"""Object-store interface used by the drain (uploads) and the gateway (ranged reads).
+
+Everything here is async and meant to run under **trio**.  Implementations never
+do disk I/O or hashing on the event loop thread: they use
+``trio.to_thread.run_sync`` for that.
+
+Keys are always *relative* to the store's prefix: ``open_store("s3://b/ckpt")``
+followed by ``store.head("run1/step10/model.pt")`` looks at
+``s3://b/ckpt/run1/step10/model.pt``.  A key ending in ``/`` is a directory
+marker (zero-byte object).
+
+Two implementations:
+
+* ``s3://bucket[/prefix]`` -> :class:`drain.s3store.S3Store` (aiobotocore + httpx)
+* ``file:///abs/dir``      -> :class:`drain.filestore.FileStore`
+
+Errors: every failure is a :class:`StoreError` (or subclass) carrying the S3
+error ``code`` (``"AccessDenied"``, ``"NoSuchBucket"``, ``"SlowDown"`` ...) and a
+``retryable`` flag computed by :func:`is_retryable`.  Programming errors (bad
+arguments) raise ``ValueError``/``TypeError`` instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime as _dt
+import os
+import re
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import NamedTuple
+from urllib.parse import unquote, urlsplit
+
+__all__ = [
+    "MiB",
+    "GiB",
+    "StoreError",
+    "NotFoundError",
+    "NoSuchUploadError",
+    "NotSupportedError",
+    "PreconditionFailedError",
+    "is_retryable",
+    "ObjectSummary",
+    "ObjectInfo",
+    "ListResult",
+    "PartRecord",
+    "PutResult",
+    "UploadInfo",
+    "ObjectStore",
+    "open_store",
+    "parse_store_url",
+    "StoreURL",
+    "CHECKSUM_MODES",
+    "validate_key",
+    "validate_metadata",
+    "validate_tags",
+    "collapse_exception_group",
+    "exception_leaves",
+]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: S3 limits (AWS values; radosgw uses the same defaults).
+S3_MIN_PART_SIZE = 5 * MiB
+S3_MAX_PART_SIZE = 5 * GiB
+S3_MAX_PARTS = 10_000
+S3_MAX_PUT_SIZE = 5 * GiB
+
+#: Supported values for the ``checksum`` option of :func:`open_store`.
+#: ``auto`` = ``crc32c`` when a fast CRC32C implementation (``crc32c`` or
+#: ``awscrt`` package) is importable, else ``crc32`` (stdlib zlib).
+CHECKSUM_MODES = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
+
+
+# --------------------------------------------------------------------------
+# errors
+
+
+# Codes we retry forever (with backoff).  Anything not listed is permanent
+# unless its HTTP status is 5xx / 429 (see is_retryable).
+RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",  # operator fixes the clock -> progress resumes
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "BadDigest",  # data corrupted in flight; we re-read the part
+        "IncompleteBody",
+        "XAmzContentSHA256Mismatch",
+        "ExpiredToken",  # botocore refreshes IRSA/STS credentials on next attempt
+        "TokenRefreshRequired",
+        "OperationAborted",  # conflicting concurrent operation
+        "ConnectionError",  # synthesised: reset/refused/closed/DNS
+        "Timeout",  # synthesised: connect/read timeout
+        "ProtocolError",  # synthesised: malformed/truncated response
+    }
+)
+
+# Codes that are permanent even though some servers send them with a 5xx.
+PERMANENT_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "NoSuchBucket",
+        "NoSuchKey",
+        "NoSuchUpload",
+        "NotImplemented",
+        "NoCredentials",
+        "InvalidBucketName",
+        "PermanentRedirect",
+        "AuthorizationHeaderMalformed",
+        "InvalidArgument",
+        "InvalidRequest",
+        "InvalidPart",
+        "InvalidPartOrder",
+        "EntityTooSmall",
+        "EntityTooLarge",
+        "PreconditionFailed",
+        "InvalidRange",
+        "NotSupported",
+        "KeyConflict",
+        "InvalidObjectState",
+    }
+)
+
+
+def is_retryable(code: str | None, status: int | None = None) -> bool:
+    """Classify an S3 error: True for transient errors (throttling, 5xx,
+    timeouts, connection resets), False for permanent ones (403, 404,
+    bad credentials, bad requests)."""
+    if code in PERMANENT_CODES:
+        return False
+    if code in RETRYABLE_CODES:
+        return True
+    if status is not None and (status >= 500 or status == 429):
+        return True
+    return False
+
+
+class StoreError(Exception):
+    """Any object-store failure.
+
+    ``code``: S3 error code string (``"NoSuchBucket"``, ``"SlowDown"``...), or a
+    synthesised one (``"ConnectionError"``, ``"Timeout"``, ``"NoCredentials"``,
+    ``"NotSupported"``, ``"KeyConflict"``).
+    ``retryable``: whether retrying the same request later may succeed.
+    ``status``: HTTP status when there was an HTTP response.
+    ``op`` / ``key``: operation name and (relative) key, for messages.
+    Messages never contain credentials.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "InternalError",
+        retryable: bool | None = None,
+        status: int | None = None,
+        op: str | None = None,
+        key: str | None = None,
+        detail: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        #: the server's own error message, if any
+        self.detail = detail
+        self.code = code
+        self.status = status
+        self.op = op
+        self.key = key
+        self.retryable = is_retryable(code, status) if retryable is None else retryable
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        extra = [f"code={self.code}"]
+        if self.status is not None:
+            extra.append(f"status={self.status}")
+        if self.op:
+            extra.append(f"op={self.op}")
+        if self.key is not None:
+            extra.append(f"key={self.key!r}")
+        extra.append("retryable" if self.retryable else "permanent")
+        parts.append("(" + ", ".join(extra) + ")")
+        return " ".join(parts)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, retryable={self.retryable})"
+
+
+class NotFoundError(StoreError):
+    """Object (code NoSuchKey) or bucket (NoSuchBucket) does not exist."""
+
+
+class NoSuchUploadError(StoreError):
+    """Multipart upload id unknown (completed, aborted, or expired)."""
+
+
+class NotSupportedError(StoreError):
+    """Operation not supported by this backend (e.g. lifecycle on file://)."""
+
+    def __init__(self, message: str, **kw):
+        kw.setdefault("code", "NotSupported")
+        kw.setdefault("retryable", False)
+        super().__init__(message, **kw)
+
+
+class PreconditionFailedError(StoreError):
+    """If-Match / CopySourceIfMatch failed: the object changed underneath us."""
+
+
+_ERROR_CLASSES: dict[str, type[StoreError]] = {
+    "NoSuchKey": NotFoundError,
+    "NoSuchBucket": NotFoundError,
+    "NoSuchUpload": NoSuchUploadError,
+    "NotSupported": NotSupportedError,
+    "NotImplemented": NotSupportedError,
+    "PreconditionFailed": PreconditionFailedError,
+}
+
+
+def make_error(message: str, *, code: str, **kw) -> StoreError:
+    """Build the right StoreError subclass for ``code``."""
+    cls = _ERROR_CLASSES.get(code, StoreError)
+    return cls(message, code=code, **kw)
+
+
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """Flatten (nested) exception groups into their leaf exceptions."""
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for e in exc.exceptions:
+            out.extend(exception_leaves(e))
+        return out
+    return [exc]
+
+
+def collapse_exception_group(exc: BaseException) -> BaseException:
+    """trio nurseries raise ExceptionGroups; pick the most meaningful leaf so
+    callers can ``except StoreError``: non-StoreError exceptions (bugs,
+    callback errors, OSError) first, then permanent StoreErrors, then
+    retryable ones, then anything else (e.g. Cancelled)."""
+    leaves = exception_leaves(exc)
+    if not leaves:
+        return exc
+
+    def rank(e: BaseException) -> int:
+        if isinstance(e, StoreError):
+            return 2 if e.retryable else 1
+        if isinstance(e, Exception):
+            return 0
+        return 3
+
+    return min(leaves, key=rank)
+
+
+# --------------------------------------------------------------------------
+# records
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectSummary:
+    """One entry of a listing (S3 ListObjectsV2 gives no user metadata)."""
+
+    key: str  #: relative to the store prefix
+    size: int
+    etag: str  #: without surrounding quotes; ``"<hex>-<n>"`` for multipart objects
+    last_modified: _dt.datetime  #: timezone-aware UTC
+    storage_class: str | None = None
+
+    @property
+    def is_dir_marker(self) -> bool:
+        return self.key.endswith("/")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """Result of :meth:`ObjectStore.head`."""
+
+    key: str
+    size: int
+    etag: str
+    last_modified: _dt.datetime
+    storage_class: str | None = None
+    #: user metadata (``x-amz-meta-*``), keys lower-case, e.g. blake3/mode/uid/gid/mtime
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    content_type: str | None = None
+    #: ``{"CRC32C": "<base64>"}`` when the server reports a flexible checksum
+    checksums: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Glacier/deep-archive restore status header, if any (``x-amz-restore``)
+    restore: str | None = None
+
+    @property
+    def is_dir_marker(self) -> bool:
+        return self.key.endswith("/")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListResult:
+    objects: list[ObjectSummary]
+    #: common prefixes (only with a delimiter), relative, each ending with the delimiter
+    prefixes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PartRecord:
+    """One uploaded part of a multipart upload.
+
+    ``checksum`` is the base64 value of the store's checksum algorithm
+    (:attr:`ObjectStore.checksum_algorithm`, e.g. CRC32C) or None when the store
+    uses md5/none.  Persist these (``to_dict``) to resume an upload.
+    """
+
+    number: int
+    etag: str  #: without quotes
+    size: int
+    checksum: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"number": self.number, "etag": self.etag, "size": self.size, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> PartRecord:
+        return cls(number=int(d["number"]), etag=str(d["etag"]), size=int(d["size"]), checksum=d.get("checksum"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutResult:
+    etag: str  #: without quotes
+    version_id: str | None = None
+    checksum: str | None = None  #: base64 flexible checksum of the object, if any
+
+
+class UploadInfo(NamedTuple):
+    """An in-progress multipart upload: ``(key, upload_id, initiated)``."""
+
+    key: str
+    upload_id: str
+    initiated: _dt.datetime  #: timezone-aware UTC
+
+
+# --------------------------------------------------------------------------
+# validation helpers (shared by implementations)
+
+_META_KEY_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+def validate_key(key: str, *, allow_empty: bool = False) -> str:
+    """Reject keys that would be ambiguous or dangerous in either backend."""
+    if not isinstance(key, str):
+        raise TypeError(f"object key must be str, not {type(key).__name__}")
+    if not key:
+        if allow_empty:
+            return key
+        raise ValueError("object key must not be empty")
+    if key.startswith("/"):
+        raise ValueError(f"object key must be relative (no leading '/'): {key!r}")
+    if "\x00" in key:
+        raise ValueError(f"object key contains NUL: {key!r}")
+    if len(key.encode("utf-8", "surrogatepass")) > 1024:
+        raise ValueError(f"object key longer than 1024 bytes: {key[:64]!r}...")
+    return key
+
+
+def validate_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """User metadata must be HTTP-header safe: lower-case ASCII keys
+    ``[a-z0-9][a-z0-9_.-]*`` and printable-ASCII values; total <= 2 KiB (S3 limit).
+    Callers percent-encode anything else."""
+    if not metadata:
+        return {}
+    out: dict[str, str] = {}
+    total = 0
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not _META_KEY_RE.match(k):
+            raise ValueError(f"metadata key {k!r} must match [a-z0-9][a-z0-9_.-]* (lower-case)")
+        if not isinstance(v, str):
+            v = str(v)
+        if not all(0x20 <= ord(c) < 0x7F for c in v):
+            raise ValueError(f"metadata value for {k!r} must be printable ASCII (percent-encode it)")
+        total += len(k) + len(v)
+        out[k] = v
+    if total > 2048:
+        raise ValueError(f"user metadata is {total} bytes; S3 allows at most 2048")
+    return out
+
+
+def validate_tags(tags: Mapping[str, str]) -> dict[str, str]:
+    if len(tags) > 10:
+        raise ValueError("S3 allows at most 10 tags per object")
+    out = {}
+    for k, v in tags.items():
+        if not isinstance(k, str) or not k or len(k) > 128:
+            raise ValueError(f"tag key {k!r} must be 1..128 chars")
+        if not isinstance(v, str) or len(v) > 256:
+            raise ValueError(f"tag value for {k!r} must be a str of <= 256 chars")
+        out[k] = v
+    return out
+
+
+def normalize_etag(etag: str | None) -> str:
+    if not etag:
+        return ""
+    etag = etag.strip()
+    if etag.startswith("W/"):
+        etag = etag[2:]
+    if len(etag) >= 2 and etag[0] == '"' and etag[-1] == '"':
+        etag = etag[1:-1]
+    return etag
+
+
+# --------------------------------------------------------------------------
+# interface
+
+
+class ObjectStore(abc.ABC):
+    """Async (trio) object store.  Use as ``async with open_store(url) as store:``
+    (or call :meth:`aclose` yourself).  One store instance may be used by many
+    trio tasks concurrently.
+    """
+
+    #: ``s3://bucket/prefix`` or ``file:///dir`` (never contains credentials)
+    url: str
+    #: name of the per-part flexible checksum (``"CRC32C"``, ``"CRC32"``,
+    #: ``"CRC64NVME"``, ``"SHA256"``) or None (md5/none modes).  PartRecords of
+    #: an upload made with a different algorithm cannot be resumed.
+    checksum_algorithm: str | None = None
+    #: smallest allowed part (except the last); 5 MiB for S3
+    min_part_size: int = S3_MIN_PART_SIZE
+    max_part_size: int = S3_MAX_PART_SIZE
+    max_parts: int = S3_MAX_PARTS
+    #: largest single PUT / single CopyObject
+    max_put_size: int = S3_MAX_PUT_SIZE
+
+    async def __aenter__(self):
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire resources (HTTP client).  Called by ``__aenter__``; methods
+        also open lazily."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Release resources."""
+
+    # -- access / metadata -------------------------------------------------
+
+    @abc.abstractmethod
+    async def check_access(self, *, write: bool = False) -> None:
+        """Verify that the bucket (dir) exists and credentials work, by listing
+        one key under the prefix; with ``write=True`` also PUT+DELETE a probe
+        object ``.ckptfs-probe/<random>``.  Raises :class:`StoreError` whose
+        message names the bucket and endpoint and whose ``code`` is the S3
+        error code (``NoSuchBucket``, ``AccessDenied``, ``InvalidAccessKeyId``,
+        ``SignatureDoesNotMatch``, ``NoCredentials``, ``ConnectionError``)."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Object info incl. user metadata, or None if there is no such key."""
+
+    async def list(
+        self,
+        prefix: str = "",
+        delimiter: str | None = None,
+        *,
+        start_after: str | None = None,
+        limit: int | None = None,
+    ) -> ListResult:
+        """All objects (and common prefixes when ``delimiter`` is given) whose
+        key starts with ``prefix``, in key order.  Collects every page; use
+        :meth:`list_pages` for huge listings.  ``limit`` caps the number of
+        objects+prefixes returned."""
+        objs: list[ObjectSummary] = []
+        prefixes: list[str] = []
+        async for page in self.list_pages(prefix, delimiter, start_after=start_after):
+            objs.extend(page.objects)
+            prefixes.extend(page.prefixes)
+            if limit is not None and len(objs) + len(prefixes) >= limit:
+                break
+        if limit is not None:
+            merged = sorted(
+                [(o.key, o) for o in objs] + [(p, p) for p in prefixes], key=lambda t: t[0]
+            )[:limit]
+            objs = [v for _, v in merged if isinstance(v, ObjectSummary)]
+            prefixes = [v for _, v in merged if isinstance(v, str)]
+        return ListResult(objs, prefixes)
+
+    @abc.abstractmethod
+    def list_pages(
+        self, prefix: str = "", delimiter: str | None = None, *, start_after: str | None = None
+    ) -> AsyncIterator[ListResult]:
+        """Async iterator of listing pages (up to 1000 entries each)."""
+
+    # -- writes ----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def put_object(
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview | str | os.PathLike,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        content_type: str | None = None,
+    ) -> PutResult:
+        """Single PUT of ``data`` (bytes, or the whole content of the file at
+        a path) with the store's checksum.  Atomic: readers see the old or the
+        new object.  Size must be <= :attr:`max_put_size`; meant for small
+        files (< part size)."""
+
+    @abc.abstractmethod
+    async def create_multipart(
+        self,
+        key: str,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        content_type: str | None = None,
+    ) -> str:
+        """Start a multipart upload; returns the upload id."""
+
+    @abc.abstractmethod
+    async def upload_part(
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        path: str | os.PathLike,
+        offset: int,
+        length: int,
+    ) -> PartRecord:
+        """Upload ``length`` bytes of the file at ``path`` starting at ``offset``
+        as part ``part_number`` (1..10000).  The file range is read once, off
+        the event loop; the checksum is computed from that same buffer."""
+
+    @abc.abstractmethod
+    async def complete_multipart(self, key: str, upload_id: str, parts: Sequence[PartRecord]) -> PutResult:
+        """Assemble the parts (any order given; sorted by number) into the object."""
+
+    @abc.abstractmethod
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort (idempotent: an unknown upload id is not an error)."""
+
+    @abc.abstractmethod
+    async def list_multipart_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        """In-progress multipart uploads under ``prefix`` (relative keys)."""
+
+    @abc.abstractmethod
+    async def list_parts(self, key: str, upload_id: str) -> list[PartRecord]:
+        """Parts the server has for an upload, sorted by number.  Raises
+        :class:`NoSuchUploadError` if the upload is gone."""
+
+    @abc.abstractmethod
+    async def copy(
+        self,
+        src_key: str,
+        dst_key: str,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_class: str | None = None,
+        if_match: str | None = None,
+    ) -> PutResult:
+        """Server-side copy.  ``metadata=None`` keeps the source's metadata,
+        otherwise it is replaced (tags are kept either way).  As with S3
+        CopyObject, ``storage_class=None`` means the default (STANDARD), not
+        the source's class.  Objects larger than :attr:`max_put_size`
+        are copied with a multipart UploadPartCopy.  ``if_match``: source etag
+        precondition (:class:`PreconditionFailedError` if it changed).  Copying
+        a key onto itself with new metadata/storage class is allowed."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete (idempotent)."""
+
+    @abc.abstractmethod
+    async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
+        """Delete many keys (batched).  Returns ``{key: error}`` for the keys
+        that could not be deleted (empty dict on full success)."""
+
+    # -- reads -------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, start: int, end: int, *, if_match: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` (end exclusive, clipped to the object size).
+        ``if_match``: etag precondition -> :class:`PreconditionFailedError`."""
+
+    @abc.abstractmethod
+    async def get_to_file(
+        self,
+        key: str,
+        dest: str | os.PathLike | int,
+        offset: int = 0,
+        length: int | None = None,
+        *,
+        file_offset: int | None = None,
+        if_match: str | None = None,
+    ) -> int:
+        """Stream object bytes ``[offset, offset+length)`` (``length=None``: to
+        the end) into ``dest`` (path or open fd) at ``file_offset`` (default:
+        ``offset``, i.e. the cache file mirrors the object).  Writes happen in
+        worker threads in large gathered ``pwritev`` batches, no full-range
+        buffering.  Does not fsync.  Returns the number of bytes written."""
+
+    # -- tags / lifecycle ----------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_tags(self, key: str) -> dict[str, str]: ...
+
+    @abc.abstractmethod
+    async def put_tags(self, key: str, tags: Mapping[str, str]) -> None:
+        """Replace the object's tag set."""
+
+    @abc.abstractmethod
+    async def get_bucket_lifecycle(self) -> list[dict]:
+        """Lifecycle rules in boto3 shape (``[]`` if none).
+        :class:`NotSupportedError` on file://."""
+
+    @abc.abstractmethod
+    async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
+        """Replace the bucket lifecycle (boto3 ``Rules`` shape; an empty list
+        deletes it).  :class:`NotSupportedError` on file://."""
+
+
+# --------------------------------------------------------------------------
+# URLs / factory
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreURL:
+    scheme: str  #: "s3" or "file"
+    bucket: str | None  #: s3 only
+    prefix: str  #: s3: "" or "a/b/" (always ends with "/"); file: ""
+    path: str | None  #: file only: absolute directory
+
+    def __str__(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.prefix}"
+        return f"file://{self.path}"
+
+
+def parse_store_url(url: str) -> StoreURL:
+    """Parse ``s3://bucket[/prefix]`` or ``file:///abs/dir``.  Raises
+    ValueError with a clear message (never echoing credentials)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("bucket URL must be a non-empty string like s3://bucket/prefix or file:///abs/dir")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if "@" in parts.netloc:
+        raise ValueError(
+            "bucket URL must not contain credentials (user:password@); use the standard "
+            "AWS credential chain (env vars, profile, IRSA)"
+        )
+    if scheme == "s3":
+        if parts.query or parts.fragment:
+            raise ValueError(f"bucket URL {url!r} must not have a query string or fragment")
+        bucket = parts.netloc
+        if not bucket:
+            raise ValueError(f"bucket URL {url!r} has no bucket name; expected s3://bucket[/prefix]")
+        if ":" in bucket:
+            raise ValueError(
+                f"bucket URL {url!r}: put the endpoint in endpoint_url, not in the URL (expected s3://bucket[/prefix])"
+            )
+        if not _BUCKET_RE.match(bucket) or ".." in bucket:
+            raise ValueError(f"bucket URL {url!r}: {bucket!r} is not a valid bucket name (3-255 chars of [A-Za-z0-9._-])")
+        prefix = unquote(parts.path).strip("/")
+        if prefix:
+            comps = prefix.split("/")
+            if any(c in ("", ".", "..") for c in comps):
+                raise ValueError(f"bucket URL {url!r}: prefix {prefix!r} has empty, '.' or '..' components")
+            prefix += "/"
+        return StoreURL("s3", bucket, prefix, None)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL {url!r} must be file:///absolute/dir (got host {parts.netloc!r})")
+        if parts.query or parts.fragment:
+            raise ValueError(f"file URL {url!r} must not have a query string or fragment")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise ValueError(f"file URL {url!r} must contain an absolute path: file:///abs/dir")
+        norm = os.path.normpath(path)
+        if norm == "/":
+            raise ValueError("file URL must not point at the filesystem root")
+        return StoreURL("file", None, "", norm)
+    if not scheme:
+        raise ValueError(f"bucket URL {url!r} has no scheme; expected s3://bucket[/prefix] or file:///abs/dir")
+    raise ValueError(f"unsupported bucket URL scheme {scheme!r} in {url!r}; expected s3:// or file://")
+
+
+def open_store(
+    bucket_url: str,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    checksum: str = "auto",
+    concurrency: int = 8,
+    max_pool_connections: int | None = None,
+    profile: str | None = None,
+    addressing_style: str | None = None,
+    sign_payload: bool = False,
+    connect_timeout: float = 10.0,
+    read_timeout: float = 120.0,
+    verify_tls: bool | str = True,
+    multipart_copy_threshold: int | None = None,
+    copy_part_size: int = 512 * MiB,
+    file_meta: str = "auto",
+) -> ObjectStore:
+    """Create (but do not connect) a store for ``bucket_url``.
+
+    S3 options (ignored for file://):
+
+    * ``endpoint_url``: e.g. ``http://127.0.0.1:7480`` for radosgw; default AWS.
+    * ``region``: default ``$AWS_REGION`` / ``$AWS_DEFAULT_REGION`` / profile / ``us-east-1``.
+    * ``checksum``: one of :data:`CHECKSUM_MODES`.  ``md5`` (Content-MD5) works on
+      every S3 server, use it for radosgw < 18 (no flexible checksums).
+    * ``concurrency``: expected parallel requests; sizes the HTTP connection pool
+      (``concurrency + 4`` connections unless ``max_pool_connections`` is given)
+      and the part-buffer pool.
+    * ``profile``: AWS shared-config profile (else the default chain).
+    * ``addressing_style``: ``path``/``virtual``/``auto``; default ``path`` when
+      ``endpoint_url`` is given, else ``auto``.
+    * ``sign_payload``: SigV4-sign part/PUT bodies with their SHA-256 (computed off
+      the loop).  Default False: bodies are sent as ``UNSIGNED-PAYLOAD`` and
+      integrity is carried by ``checksum``.
+    * ``multipart_copy_threshold``: copy() uses UploadPartCopy above this size
+      (default 5 GiB, the CopyObject limit); ``copy_part_size`` per copied part.
+
+    file:// options: ``file_meta``: ``auto`` (xattrs if supported, else sidecar
+    files), ``xattr`` or ``sidecar``.  ``checksum`` is used for part checksums.
+    """
+    u = parse_store_url(bucket_url)
+    if checksum not in CHECKSUM_MODES:
+        raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}; got {checksum!r}")
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    if u.scheme == "s3":
+        from .s3store import S3Store
+
+        return S3Store(
+            bucket=u.bucket,
+            prefix=u.prefix,
+            endpoint_url=endpoint_url,
+            region=region,
+            checksum=checksum,
+            concurrency=concurrency,
+            max_pool_connections=max_pool_connections,
+            profile=profile,
+            addressing_style=addressing_style,
+            sign_payload=sign_payload,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            verify_tls=verify_tls,
+            multipart_copy_threshold=multipart_copy_threshold,
+            copy_part_size=copy_part_size,
+        )
+    from .filestore import FileStore
+
+    return FileStore(u.path, checksum=checksum, meta_mode=file_meta)

@@ -1,0 +1,95 @@
+"""``ckptfs drain --cache-dir DIR`` as a process: flushing a cache after the gateway is gone, one drain per cache."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import blake3
+
+from conftest import REPO, ckptfs_cmd
+from fsmeta import locks
+
+from test_drain_support import MiB, denv  # noqa: F401
+
+
+def run_cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*ckptfs_cmd(), *args], capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
+
+def fill(env) -> dict:
+    files = {
+        "run/step_1/model.pt": os.urandom(6 * MiB),  # multipart with the stored 5 MiB part size
+        "run/step_1/.metadata": b"{}",
+        "run/latest": b"step_1",
+        "notes.txt": b"hello",
+    }
+    for path, data in files.items():
+        env.write_file(path, data)
+    env.mkdir("run/empty")
+    env.meta.sync()
+    return files
+
+
+def test_drain_until_empty_flushes_a_cache_without_a_gateway(denv):
+    files = fill(denv)
+    result = run_cli("drain", "--cache-dir", str(denv.cache), "--until-empty")
+    assert result.returncode == 0, result.stderr
+    assert sorted(denv.listing()) == sorted([*files, "run/empty/"])
+    for path, data in files.items():
+        assert denv.object_bytes(path) == data
+        assert denv.head(path).metadata["blake3"] == blake3.blake3(data).hexdigest()
+        assert denv.state(path) == "durable"
+    assert denv.pending() == {} and denv.tombstones() == {}
+    assert locks.holder(str(denv.cache), locks.DRAIN_LOCK) is None
+
+
+def test_second_drain_on_the_same_cache_is_refused(denv):
+    fill(denv)
+    first = subprocess.Popen([*ckptfs_cmd(), "drain", "--cache-dir", str(denv.cache)], cwd=str(REPO),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while locks.holder(str(denv.cache), locks.DRAIN_LOCK) != first.pid:
+            assert first.poll() is None, first.stderr.read()
+            assert time.monotonic() < deadline, "the first drain never took drain.lock"
+            time.sleep(0.05)
+
+        second = run_cli("drain", "--cache-dir", str(denv.cache))
+        assert second.returncode != 0
+        assert "a drain is already running" in second.stderr and str(first.pid) in second.stderr
+
+        # --until-empty next to a running drain waits for it to empty the queue, then succeeds.
+        waiter = run_cli("drain", "--cache-dir", str(denv.cache), "--until-empty")
+        assert waiter.returncode == 0, waiter.stderr
+        assert denv.pending() == {} and denv.tombstones() == {}
+        assert first.poll() is None, "a drain without --until-empty keeps running"
+
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(20) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        first.stderr.close()
+    assert locks.holder(str(denv.cache), locks.DRAIN_LOCK) is None
+
+
+def test_drain_of_a_directory_that_is_no_cache_says_so(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_cli("drain", "--cache-dir", str(tmp_path / "empty"), "--until-empty")
+    assert result.returncode != 0
+    assert "no ckptfs cache here" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_drain_with_an_unusable_bucket_fails_with_one_line(denv):
+    denv.write_file("f", b"f")
+    denv.bucket.rmdir()
+    result = run_cli("drain", "--cache-dir", str(denv.cache), "--until-empty")
+    assert result.returncode == 1
+    assert "ckptfs: drain:" in result.stderr and "NoSuchBucket" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert denv.state("f") == "dirty"
