@@ -277,8 +277,7 @@ class Drain:
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
                         try:
-                            await self._retry(f"copy {job.remote.key} -> {key}",
-                                              lambda key=key: self.store.copy(job.remote.key, key, metadata=meta))
+                            await self._move_copy(job.remote.key, key, meta)
                         except NotFoundError:
                             # The source object vanished (deleted outside ckptfs): upload from the cache.
                             log.warning("%s: copy source %s is gone; uploading from the cache", key, job.remote.key)
@@ -365,6 +364,23 @@ class Drain:
         txn.put_inode(inode)
         txn.mark_pending(job.ino, self.clock(), "data")
         return True
+
+    async def _move_copy(self, src: str, dst: str, meta: dict) -> None:
+        """Server-side copy for a rename: keeps the object's storage class and tags.
+
+        A plain CopyObject lands in STANDARD, and radosgw drops tags when the
+        metadata is replaced, so a tiered checkpoint renamed through the mount
+        would silently move back to the hot class.
+        """
+        info = await self._retry(f"head {src}", lambda: self.store.head(src))
+        if info is None:
+            raise NotFoundError(f"copy source {src} does not exist", code="NoSuchKey", op="CopyObject", key=src)
+        tags = await self._retry(f"get tags {src}", lambda: self.store.get_tags(src))
+        storage_class = info.storage_class if info.storage_class not in (None, "STANDARD") else None
+        await self._retry(f"copy {src} -> {dst}",
+                          lambda: self.store.copy(src, dst, metadata=meta, storage_class=storage_class))
+        if tags:
+            await self._retry(f"put tags {dst}", lambda: self.store.put_tags(dst, tags))
 
     def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
         """The bucket no longer holds this inode's content: the next round uploads it."""

@@ -21,6 +21,7 @@ def _setup_logging(verbose: bool = False) -> None:
     # Request logs of botocore could carry signed headers; keep them quiet.
     logging.getLogger("botocore").setLevel(logging.WARNING)
     logging.getLogger("aiobotocore").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
 
 
 def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import cli_more
 
     cli_more.add_commands(sub)
+    __import__("lifecycle.cli", fromlist=["add_commands"]).add_commands(sub)  # lifecycle plan|apply, promote
     return parser
 
 

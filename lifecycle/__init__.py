@@ -1,7 +1,10 @@
 """Checkpoint-aware retention and tiering for the ckptfs bucket.
 
-Pure planning only: ``plan()`` turns a bucket listing plus rules into a
-``Plan``; executing it against the object store is the executor's job.
+``plan()`` (pure) turns a bucket listing plus rules into a ``Plan``.
+Not imported here, because they need the object store and trio:
+``lifecycle.executor`` carries a plan out (deletes, tags + bucket lifecycle
+rules, or copies in place), ``lifecycle.pins`` keeps pins in the bucket, and
+``lifecycle.cli`` is ``ckptfs lifecycle plan|apply`` and ``ckptfs promote``.
 """
 
 from .catalog import MTIME_TAG, Catalog, Checkpoint, ListedObject, Series, build_catalog

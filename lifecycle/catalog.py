@@ -136,9 +136,15 @@ def series_name(parent: str, pattern: str) -> str:
     return f"{parent}/{pattern}" if parent else pattern
 
 
+def is_internal_key(key: str) -> bool:
+    first = key.split("/", 1)[0]
+    return first == ".ckptfs" or first.startswith(".ckptfs-")
+
+
 def build_catalog(listing: Iterable[object], rules: LifecycleRules) -> Catalog:
     patterns = [(text, compile_step_pattern(text)) for text in rules.checkpoints]
-    objects = [ListedObject.coerce(o) for o in listing]
+    # ckptfs' own keys (pins under .ckptfs/, file-store internals) are never checkpoints.
+    objects = [o for o in (ListedObject.coerce(o) for o in listing) if not is_internal_key(o.key)]
     warnings: list[str] = []
 
     seen: set[str] = set()

@@ -334,6 +334,8 @@ def _tier_decision(
     moves: list[ListedObject] = []
     too_small = archived = False
     for obj in cp.objects:
+        if obj.key.endswith("/"):
+            continue  # a directory marker holds no data: nothing to tier
         if obj.storage_class == target or position.get(obj.storage_class, -1) >= index:
             continue  # already there, or further along the configured tiers
         if COLDNESS.get(obj.storage_class, -1) >= COLDNESS.get(target, math.inf):

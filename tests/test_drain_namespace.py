@@ -455,3 +455,26 @@ def test_rename_whose_copy_source_vanished_uploads_from_the_cache(denv):
     assert denv.object_bytes("b") == data
     assert denv.state("b") == "durable"
     assert "b" in rec.written_keys()
+
+
+def test_rename_keeps_storage_class_and_tags(denv):
+    """A checkpoint tiered by the lifecycle engine stays tiered when renamed through the mount."""
+    data = os.urandom(200_000)
+    denv.write_file("ck/a", data)
+    denv.drain()
+
+    async def tier():
+        async with denv.store() as st:
+            await st.copy("ck/a", "ck/a", storage_class="COLD")
+            await st.put_tags("ck/a", {"ckptfs-tier": "COLD"})
+    trio.run(tier)
+    denv.rename("ck", "ck2")
+    denv.drain()
+    info = denv.head("ck2/a")
+    assert info.storage_class == "COLD"
+
+    async def tags():
+        async with denv.store() as st:
+            return await st.get_tags("ck2/a")
+    assert trio.run(tags) == {"ckptfs-tier": "COLD"}
+    assert denv.object_bytes("ck2/a") == data
