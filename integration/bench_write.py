@@ -1,0 +1,512 @@
+"""Write-path benchmark: a plain directory against the ckptfs mount, same disk, same run.
+
+Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``rename``]):
+
+* ``seq``: N GiB written sequentially in 1 MiB blocks, then fsync.
+* ``ckpt``: a ~1 GiB torch-like checkpoint: a zip-like file written as many
+  writes of mixed sizes (small local headers, a pickle, tensor blobs from 4 KiB
+  to ~200 MiB, a central directory) into ``x.tmp``, fsync, ``rename`` to ``x``,
+  which is what ``torch.save`` followed by an atomic rename does. The small
+  records are issued unbuffered (~1,100 write(2) calls per GiB), a harsher
+  pattern than torch 2.x itself, whose zip writer goes through a buffered
+  ofstream and issues one ``writev`` (pending header + tensor) per large
+  tensor (seen with strace).
+* ``torch``: a real ``torch.save`` of a state dict with the same layout into
+  ``x.tmp`` + fsync + rename (``--torch``, when torch is importable; its time
+  includes torch's own serialisation work).
+
+Runs alternate (plain, mount, plain, mount, ...) for ``--rounds`` rounds so a
+noisy virtual disk hits both sides alike; the report gives medians, the spread
+(min..max) and the ratio mount/plain of the medians and of each pair.
+
+The table also gives the CPU time the gateway (and drain) spent per GiB
+written through the mount, the figure that least depends on what else runs on
+the machine (the load average is printed at start and end: other work skews
+both sides of a pair).
+
+Then the gateway's peak RSS (``VmHWM`` from /proc, reset through
+``/proc/PID/clear_refs`` before each file when we may, plus the drain
+process if one runs) while writing files of ``--rss-sizes`` GiB, to show that
+it does not grow with the file size.
+
+The bench starts its own mount (file:// bucket, temporary cache directory on
+the same file system as the plain directory, by default under /var/tmp) with
+``drain.settle_seconds = 3600`` so the drain does not upload during the runs
+(``--drain-live`` keeps the default settle window to see its effect).
+
+Usage::
+
+    .venv/bin/python -m integration.bench_write [--size-gib 4] [--ckpt-gib 1] [--rounds 5]
+        [--rss-sizes 1,8] [--drop-caches] [--torch] [--workdir /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MIB = 1 << 20
+GIB = 1 << 30
+BLOCK = MIB
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- workloads ---------------------------------------------------------------------------
+
+
+def _payload(size: int) -> memoryview:
+    """Incompressible bytes to write (made once; cheap to slice)."""
+    return memoryview(os.urandom(size))
+
+
+def write_seq(directory: str, size: int, buf: memoryview) -> float:
+    """``size`` bytes in 1 MiB writes + fsync + close; returns seconds."""
+    path = os.path.join(directory, "seq.bin")
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        block = buf[:BLOCK]
+        left = size
+        while left > 0:
+            n = os.write(fd, block[: min(BLOCK, left)])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def checkpoint_layout(total: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(record name, size) of a transformer-like fp32 state dict of about ``total`` bytes.
+
+    An embedding, then per layer four attention matrices with biases, two MLP
+    matrices with biases and two layer norms, then a final norm and a few
+    odd-sized buffers; the number of layers is chosen to land near ``total``.
+    Sizes run from a few bytes to ~200 MiB (the embedding).
+    """
+    rng = random.Random(seed)
+    hidden = 1024
+    vocab = 50304 if total >= 512 * MIB else max(1024, total // (hidden * 4 * 4))
+    layer = [hidden * hidden * 4] * 4 + [hidden * 4] * 4  # q, k, v, o and their biases
+    layer += [4 * hidden * hidden * 4] * 2 + [4 * hidden * 4, hidden * 4]  # MLP up/down and biases
+    layer += [hidden * 4] * 4  # two layer norms (weight, bias)
+    emb = vocab * hidden * 4
+    layers = max(1, round((total - emb) / sum(layer)))
+    sizes = [emb] + layer * layers + [hidden * 4, hidden * 4]
+    sizes += [rng.randrange(8, 5000) for _ in range(6)]  # step counters, rng state, ...
+    return [(f"archive/data/{i}", s) for i, s in enumerate(sizes)]
+
+
+def _align(offset: int, header: int, alignment: int = 64) -> int:
+    """Padding torch puts in the extra field so the record's data starts aligned."""
+    return (-(offset + header)) % alignment
+
+
+def write_checkpoint(directory: str, total: int, buf: memoryview, name: str = "model.pt") -> float:
+    """A torch.save-like zip into ``name.tmp``, fsync, close, rename; returns seconds.
+
+    Small writes (local headers, pickle chunks, central directory entries)
+    interleave with one large write per tensor, as torch's zip writer issues
+    them (the small ones unbuffered: the worst case for the write path).
+    """
+    final = os.path.join(directory, name)
+    tmp = final + ".tmp"
+    records = [("archive/data.pkl", 48 * 1024 + 321), ("archive/.format_version", 1), ("archive/.storage_alignment", 2),
+               ("archive/byteorder", 6)]
+    records += checkpoint_layout(total)
+    records += [("archive/version", 2), ("archive/.data/serialization_id", 40)]
+    start = time.perf_counter()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        central = []
+        for rname, size in records:
+            nb = rname.encode()
+            pad = _align(offset, 30 + len(nb) + 4)
+            header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0x08, 0, 0, 0, 0, size, size, len(nb), 4 + pad)
+            header += nb + struct.pack("<HH", 0x1234, pad) + bytes(pad)
+            central.append((nb, offset, size))
+            offset += os.write(fd, header)
+            if rname == "archive/data.pkl":
+                # The pickler emits many small frames.
+                left = size
+                while left > 0:
+                    n = min(left, 512 + (left * 7919) % 3584)
+                    offset += os.write(fd, buf[:n])
+                    left -= n
+            else:
+                left = size
+                while left > 0:  # one write per tensor; os.write may return short on huge ones
+                    n = os.write(fd, buf[: min(left, len(buf))])
+                    offset += n
+                    left -= n
+            offset += os.write(fd, struct.pack("<IIII", 0x08074B50, 0, size, size))
+        cd_start = offset
+        for nb, rec_offset, size in central:
+            entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0x08, 0, 0, 0, 0, size, size,
+                                len(nb), 0, 0, 0, 0, 0, rec_offset) + nb
+            offset += os.write(fd, entry)
+        offset += os.write(fd, struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central),
+                                           offset - cd_start, cd_start, 0))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+    return time.perf_counter() - start
+
+
+def torch_available() -> bool:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "Failed to initialize NumPy" on a torch without numpy
+        try:
+            import torch  # noqa: F401
+        except Exception:
+            return False
+    return True
+
+
+_TORCH_STATE: dict = {}
+
+
+def write_torch(directory: str, total: int, buf: memoryview) -> float:
+    """Real ``torch.save`` of a ~``total``-byte state dict into ``x.tmp``, fsync, rename."""
+    import torch
+
+    if _TORCH_STATE.get("total") != total:
+        state = {}
+        for name, size in checkpoint_layout(total):
+            state[name.rsplit("/", 1)[1]] = torch.empty(max(1, size // 4), dtype=torch.float32).fill_(1.5)
+        _TORCH_STATE.update(total=total, state=state)
+    final = os.path.join(directory, "torch.pt")
+    tmp = final + ".tmp"
+    start = time.perf_counter()
+    torch.save(_TORCH_STATE["state"], tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+    return time.perf_counter() - start
+
+
+def clear_dir(directory: str) -> None:
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# -- the mount ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mount:
+    """A ``ckptfs mount --foreground`` of a file:// bucket with its own cache directory."""
+
+    def __init__(self, workdir: str, *, settle_seconds: float | None, extra_args: list[str] | None = None):
+        self.workdir = workdir
+        self.bucket = os.path.join(workdir, "bucket")
+        self.cache = os.path.join(workdir, "cache")
+        self.mnt = os.path.join(workdir, "mnt")
+        self.log_path = os.path.join(workdir, "gateway.log")
+        self.settle_seconds = settle_seconds
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        for d in (self.bucket, self.cache, self.mnt):
+            os.makedirs(d, exist_ok=True)
+        args = [os.path.join(REPO, ".venv", "bin", "ckptfs")]
+        if not os.path.exists(args[0]):
+            args = [sys.executable, "-m", "gateway.cli"]
+        args += ["mount", f"file://{self.bucket}", self.mnt, "--cache-dir", self.cache, "--foreground",
+                 "--metrics-addr", f"127.0.0.1:{_free_port()}"]
+        if self.settle_seconds is not None:
+            cfg = os.path.join(self.workdir, "bench.toml")
+            with open(cfg, "w") as fh:
+                fh.write(f"[drain]\nsettle_seconds = {self.settle_seconds}\n")
+            args += ["--config", cfg]
+        args += self.extra_args
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=self._log, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(self.mnt):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the mount exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the mount did not come up in {timeout}s; see {self.log_path}")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def processes(self) -> dict[str, int]:
+        """{'gateway': pid, 'drain': pid} (the drain only if running)."""
+        out = {"gateway": self.pid}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) != self.pid:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ")
+            except (OSError, IndexError, ValueError):
+                continue
+            if b"drain" in cmd:
+                out["drain"] = int(entry)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
+        self._log.close()
+        self.proc = None
+
+
+def _cpu_seconds(pids) -> float:
+    """User + system CPU time of the processes (0 for those gone)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
+def _status_kib(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _meminfo_kib(key: str) -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as fh:
+            fh.write("5\n")  # reset VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def measure_rss(mount: Mount, size: int, buf: memoryview) -> dict:
+    """Write ``size`` bytes through the mount; peak RSS (MiB) of gateway and drain during it."""
+    procs = mount.processes()
+    reset = all(_reset_peak(pid) for pid in procs.values())
+    before = {name: _status_kib(pid, "VmRSS") for name, pid in procs.items()}
+    samples = {name: 0 for name in procs}
+    dirty = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for name, pid in procs.items():
+                rss = _status_kib(pid, "VmRSS") or 0
+                samples[name] = max(samples[name], rss)
+            dirty[0] = max(dirty[0], _meminfo_kib("Dirty") + _meminfo_kib("Writeback"))
+            stop.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    seconds = write_seq(mount.mnt, size, buf)
+    stop.set()
+    sampler.join()
+    hwm = {name: _status_kib(pid, "VmHWM") for name, pid in procs.items()}
+    clear_dir(mount.mnt)
+    return {
+        "size": size, "seconds": seconds, "reset": reset,
+        "hwm_mib": {k: (v or 0) / 1024 for k, v in hwm.items()},
+        "sampled_mib": {k: v / 1024 for k, v in samples.items()},
+        "before_mib": {k: (v or 0) / 1024 for k, v in before.items()},
+        "dirty_mib": dirty[0] / 1024,
+    }
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def _mbps(size: int, seconds: float) -> float:
+    return size / seconds / 1e6
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.0f} ({min(values):.0f}..{max(values):.0f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gib", type=float, default=4.0, help="sequential file size (default 4)")
+    ap.add_argument("--ckpt-gib", type=float, default=1.0, help="torch-like checkpoint size (default 1)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating plain/mount rounds (default 5)")
+    ap.add_argument("--rss-sizes", default="1,8", help="GiB sizes for the RSS check, '' to skip (default 1,8)")
+    ap.add_argument("--workloads", default="seq,ckpt", help="comma list of seq,ckpt,torch (default seq,ckpt)")
+    ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
+    ap.add_argument("--drop-caches", action="store_true", help="sync + drop the page cache before every run")
+    ap.add_argument("--drain-live", action="store_true", help="keep the default drain settle window")
+    ap.add_argument("--workdir", default="/var/tmp", help="parent of the bench directory (default /var/tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the bench directory afterwards")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
+    args = ap.parse_args(argv)
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    if args.torch and "torch" not in workloads:
+        workloads.append("torch")
+    if "torch" in workloads and not torch_available():
+        print("torch is not importable: skipping the torch.save workload")
+        workloads.remove("torch")
+    seq_size = int(args.size_gib * GIB)
+    ckpt_size = int(args.ckpt_gib * GIB)
+    sizes = {"seq": seq_size, "ckpt": ckpt_size, "torch": ckpt_size}
+    funcs = {"seq": write_seq, "ckpt": write_checkpoint, "torch": write_torch}
+
+    workdir = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.workdir)
+    plain = os.path.join(workdir, "plain")
+    os.makedirs(plain)
+    mount = Mount(workdir, settle_seconds=None if args.drain_live else 3600)
+    buf = _payload(256 * MIB)
+    results: dict[str, dict[str, list[float]]] = {w: {"plain": [], "mount": []} for w in workloads}
+    cpu: dict[str, list[float]] = {w: [] for w in workloads}  # gateway (+drain) CPU s per GiB
+    dropped = False
+    try:
+        mount.start()
+        procs = mount.processes()
+        st_plain, st_cache = os.stat(plain), os.stat(mount.cache)
+        print(f"ckptfs write bench  kernel {platform.release()}  cpus {os.cpu_count()}  workdir {workdir}")
+        print(f"  plain dir and cache dir on the same device: {st_plain.st_dev == st_cache.st_dev}"
+              f"  processes: {procs}  drain settle: {'default' if args.drain_live else '3600 s'}")
+        print(f"  rounds {args.rounds} (alternating plain, mount)  drop caches: {args.drop_caches}"
+              "  MB/s = 1e6 bytes/s, open..fsync+close[+rename]")
+        print(f"  load average at start: {_loadavg()} (other work on the machine skews both sides)")
+        for rnd in range(args.rounds):
+            for w in workloads:
+                for side, directory in (("plain", plain), ("mount", mount.mnt)):
+                    if args.drop_caches:
+                        dropped = drop_caches()
+                    else:
+                        os.sync()
+                    pids = mount.processes().values() if side == "mount" else ()
+                    cpu0 = _cpu_seconds(pids)
+                    seconds = funcs[w](directory, sizes[w], buf)
+                    results[w][side].append(_mbps(sizes[w], seconds))
+                    if side == "mount":
+                        cpu[w].append((_cpu_seconds(pids) - cpu0) / (sizes[w] / GIB))
+                    clear_dir(directory)
+            print(f"  round {rnd + 1}: " + "  ".join(
+                f"{w} plain {results[w]['plain'][-1]:.0f} mount {results[w]['mount'][-1]:.0f}"
+                for w in workloads), flush=True)
+        if args.drop_caches and not dropped:
+            print("  (could not drop the page cache: not root?)")
+        print()
+        print(f"load average at end: {_loadavg()}")
+        print(f"{'workload':<24} {'plain MB/s med (min..max)':>26} {'mount MB/s med (min..max)':>26}"
+              f" {'ratio':>6} {'pair ratios med (min..max)':>28} {'gw CPU s/GiB':>13}")
+        for w in workloads if args.rounds > 0 else ():
+            p, m = results[w]["plain"], results[w]["mount"]
+            pairs = [b / a for a, b in zip(p, m)]
+            label = {"seq": f"seq {args.size_gib:g} GiB 1MiB+fsync",
+                     "ckpt": f"ckpt {args.ckpt_gib:g} GiB tmp+fsync+mv",
+                     "torch": f"torch.save {args.ckpt_gib:g} GiB"}[w]
+            print(f"{label:<24} {_spread(p):>26} {_spread(m):>26} {statistics.median(m) / statistics.median(p):6.2f}"
+                  f" {statistics.median(pairs):13.2f} ({min(pairs):.2f}..{max(pairs):.2f})"
+                  f" {statistics.median(cpu[w]):13.2f}")
+        rss_sizes = [float(s) for s in args.rss_sizes.split(",") if s.strip()]
+        rss_results = []
+        if rss_sizes:
+            print()
+            print("peak RSS while writing through the mount (VmHWM reset before each file"
+                  " via clear_refs; 'sampled' = max VmRSS polled every 100 ms)")
+            for gib in rss_sizes:
+                os.sync()
+                r = measure_rss(mount, int(gib * GIB), buf)
+                rss_results.append(r)
+                parts = [f"{name} VmHWM {r['hwm_mib'][name]:.0f} MiB (sampled {r['sampled_mib'][name]:.0f},"
+                         f" idle {r['before_mib'][name]:.0f})" for name in r["hwm_mib"]]
+                note = "" if r["reset"] else "  [peak not reset: cumulative]"
+                print(f"  {gib:g} GiB file ({_mbps(r['size'], r['seconds']):.0f} MB/s): " + "; ".join(parts) + note
+                      + f"; node Dirty+Writeback peak {r['dirty_mib']:.0f} MiB", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"results": results, "cpu_s_per_gib": cpu, "rss": rss_results,
+                           "sizes": sizes, "load_end": _loadavg()}, fh, indent=1)
+    finally:
+        with contextlib.suppress(Exception):
+            clear_dir(plain)
+        mount.stop()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"kept {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
