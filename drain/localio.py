@@ -165,6 +165,28 @@ def checksum_factory(mode: str):
 # buffers
 
 
+def new_buffer(size: int):
+    """A writable buffer of ``size`` bytes for part/PUT bodies.
+
+    Large ones are anonymous mappings, not ``bytearray(size)``: a bytearray is
+    memset to zero by CPython (a full pass over memory the kernel has just
+    zeroed on first touch), which cost ~15% of the drain's CPU per fresh 64 MiB
+    part buffer. Transparent huge pages (where enabled) also cut the page faults
+    of first touch 512-fold. Use through ``memoryview(buf)``.
+    """
+    if size < (1 << 20):
+        return bytearray(size)
+    import mmap
+
+    # private: a plain (shared) anonymous mapping is shmem, without transparent huge pages
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return buf
+
+
 class BufferPool:
     """Free list of large ``bytearray`` buffers, so that every part upload does
     not fault-in fresh anonymous memory (a fresh 64 MiB bytearray costs a page
@@ -183,7 +205,7 @@ class BufferPool:
                     best = i
             if best is not None:
                 return self._free.pop(best)
-        return bytearray(size)
+        return new_buffer(size)
 
     def put(self, buf: bytearray) -> None:
         with self._lock:

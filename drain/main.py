@@ -11,6 +11,7 @@ finishes first; a drain whose gateway is gone exits once the queue is empty.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -67,6 +68,9 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
                 return
 
     async with open_store_for(settings) as store:
+        # botocore's service model and client are tens of thousands of long-lived objects:
+        # keep them out of every later GC pass (a few % of the drain's CPU otherwise).
+        gc.freeze()
         drain = Drain(cache_dir, meta, settings, store)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)

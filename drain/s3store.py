@@ -229,6 +229,9 @@ class S3Store(ObjectStore):
         session.get_scoped_config()
         return session
 
+    def release_buffers(self) -> None:
+        self._pool.clear()
+
     async def open(self) -> None:
         async with self._open_lock:
             if self._client is not None:

@@ -449,6 +449,9 @@ class ObjectStore(abc.ABC):
         """Acquire resources (HTTP client).  Called by ``__aenter__``; methods
         also open lazily."""
 
+    def release_buffers(self) -> None:  # noqa: B027 - optional hook
+        """Drop idle I/O buffers (called when the drain goes idle, to give memory back)."""
+
     async def aclose(self) -> None:  # noqa: B027
         """Release resources."""
 

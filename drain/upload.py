@@ -312,6 +312,12 @@ async def hash_file(path: str | os.PathLike, size: int | None = None) -> str:
 _put_buffers = localio.BufferPool(max_idle=2)
 
 
+def release_buffers() -> None:
+    """Drop the uploader's idle read buffers (the drain calls this when it goes idle)."""
+    _hash_buffers.clear()
+    _put_buffers.clear()
+
+
 def _read_whole_hashing(path: str, size: int) -> tuple[bytearray, str]:
     """Read a small file into a pooled buffer, hashing it on the way (one read
     for both the BLAKE3 and the PUT body).  Return the buffer to _put_buffers."""

@@ -40,6 +40,7 @@ STATUS_SECONDS = 1.0
 PERMANENT_RETRY_SECONDS = 60.0  # longest wait before retrying a file after a permanent error
 PERMANENT_RETRY_FIRST = 5.0  # first wait; doubles per consecutive failure up to the above
 STALE_UPLOAD_SECONDS = 24 * 3600
+IDLE_RELEASE_SECONDS = 5.0
 WAIT_SOURCE_SECONDS = 0.2  # re-check of a file whose key still holds another inode's content
 
 
@@ -110,7 +111,17 @@ class Drain:
         self.failures: dict[int, int] = {}  # ino -> consecutive permanent failures (backoff)
         self.tombstones_running = False
         self.stats = DrainStats()
+        self.idle_since: float | None = None
+        self.buffers_released = False
         self.part_limiter = trio.CapacityLimiter(self.concurrency)
+        # Whole-file BLAKE3 before CreateMultipartUpload, one file at a time (BLAKE3 uses
+        # every core): the first file's parts go out while the next one is hashed, instead
+        # of every file of a checkpoint being hashed before the first byte is sent.
+        self.hash_limiter = trio.CapacityLimiter(1)
+        # BLAKE3 of closed files computed while their settle window runs (ino ->
+        # (generation, size, hex)); used only if the generation did not move.
+        self.prehashed: dict[int, tuple[int, int, str]] = {}
+        self.prehashing: int | None = None
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -151,6 +162,10 @@ class Drain:
                 candidates, tombstones = await self._read(self._scan)
                 if until_empty and not candidates and not tombstones and not self.busy:
                     break
+                if not candidates and not self.busy:
+                    self._release_buffers_when_idle()
+                else:
+                    self.idle_since = None
                 now = self.clock()
                 mono = time.monotonic()
                 ready = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
@@ -167,9 +182,24 @@ class Drain:
                 if tombstones and not self.tombstones_running:
                     self.tombstones_running = True
                     nursery.start_soon(self._tombstone_task, tombstones)
+                if self.prehashing is None and self.settle_ns > 0:
+                    self._start_prehash(nursery, candidates, ready, now)
                 await trio.sleep(POLL_SECONDS)
             nursery.cancel_scope.cancel()
         await self._publish_status()
+
+    def _release_buffers_when_idle(self) -> None:
+        """Part buffers (concurrency x part size) go back to the OS after a quiet spell."""
+        from .upload import release_buffers
+
+        now = time.monotonic()
+        if self.idle_since is None:
+            self.idle_since = now
+            self.buffers_released = False
+        elif not self.buffers_released and now - self.idle_since >= IDLE_RELEASE_SECONDS:
+            self.store.release_buffers()
+            release_buffers()
+            self.buffers_released = True
 
     async def _startup(self) -> None:
         await self._retry("check bucket access", lambda: self.store.check_access(write=True))
@@ -405,7 +435,7 @@ class Drain:
         """Upload the file's current generation to ``key``: (etag, blake3, size), or (None, "", 0)
         if its generation moved meanwhile (the caller leaves it queued)."""
         from .localio import SourceChangedError
-        from .upload import UploadAborted, upload_bytes, upload_file
+        from .upload import UploadAborted, hash_file, upload_bytes, upload_file
 
         await self._write(self._mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns)
@@ -482,8 +512,17 @@ class Drain:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_generation)
                 try:
+                    digest = None
+                    if job.size > self.part_size:
+                        async with self.hash_limiter:
+                            pre = self.prehashed.pop(job.ino, None)
+                            if pre is not None and pre[:2] == (job.generation, job.size):
+                                digest = pre[2]
+                            else:
+                                digest = await hash_file(path, job.size)
                     result = await upload_file(
                         self.store, key, path, meta,
+                        blake3_hex=digest,
                         size=job.size,
                         part_size=self.part_size,
                         concurrency=self.concurrency,
@@ -530,6 +569,53 @@ class Drain:
                 await self.store.abort_multipart(key, info.upload_id)
         except StoreError as exc:
             log.warning("could not clean up earlier multipart uploads of %s: %s", key, exc)
+
+    # -- hashing ahead of the settle window --------------------------------------------------
+
+    def _start_prehash(self, nursery, candidates, ready, now_ns: int) -> None:
+        """Hash one closed, still-settling file now, so its upload starts with the hash known
+        (the settle window and the whole-file BLAKE3 no longer add up in ack -> durable)."""
+        ready_inos = {c.ino for c in ready}
+        for cand in candidates:
+            if (cand.is_dir or cand.writers or cand.ino in self.busy or cand.ino in ready_inos
+                    or cand.ino in self.prehashed or now_ns - cand.changed_ns >= self.settle_ns):
+                continue
+            if len(self.prehashed) > 1024:
+                self.prehashed.clear()
+            self.prehashing = cand.ino
+            nursery.start_soon(self._prehash_task, cand.ino)
+            return
+
+    def _prehash_info(self, txn: Txn, ino: int) -> tuple[int, int] | None:
+        inode = txn.get_inode(ino)
+        pending = txn.get_pending(ino)
+        if (inode is None or not inode.is_reg or inode.nlink == 0 or inode.size <= self.part_size
+                or txn.writer_count(ino) or pending is None or pending.reason != "data"
+                or inode.durable_generation == inode.generation):
+            return None  # small (one read does both), still open, or a move (copied, not uploaded)
+        return inode.generation, inode.size
+
+    async def _prehash_task(self, ino: int) -> None:
+        from .localio import SourceChangedError
+        from .upload import hash_file
+
+        try:
+            info = await self._read(self._prehash_info, ino)
+            if info is None:
+                self.prehashed[ino] = (-1, -1, "")  # not worth it; do not look again
+                return
+            path = os.path.join(self.cache_dir, "data", f"{ino:x}")
+            async with self.hash_limiter:
+                if ino in self.busy:
+                    return  # its upload started; it hashes itself
+                digest = await hash_file(path, info[1])
+                # stored before the limiter is released: an upload waiting for it finds it
+                if await self._read(self._prehash_info, ino) == info:
+                    self.prehashed[ino] = (*info, digest)
+        except (OSError, SourceChangedError):
+            pass
+        finally:
+            self.prehashing = None
 
     async def _completed_before_crash(self, rec: UploadRecord) -> str | None:
         """A crash after CompleteMultipartUpload, before the fsmeta commit: is the object there?"""
