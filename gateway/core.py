@@ -742,7 +742,10 @@ class FsCore:
         if not inode.is_reg:
             raise FsError(errno.EINVAL)
         fh = self._open_handle(inode, flags)
-        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+        # libfuse negotiates atomic_o_trunc: O_TRUNC arrives here instead of as a setattr,
+        # and the kernel has already set its size to 0. Linux truncates with O_RDONLY too
+        # (the kernel checked write permission), so must we, or old bytes come back.
+        if flags & os.O_TRUNC:
             try:
                 self.setattr(ino, SetattrRequest(size=0), fh)
             except BaseException:

@@ -43,7 +43,9 @@ def prepare_cache_dir(path: str) -> None:
 def clear_dead_mount(mountpoint: str) -> bool:
     """Lazily unmount a FUSE mount whose daemon died (ENOTCONN); True if one was cleared."""
     try:
-        os.stat(mountpoint)
+        # statfs, not stat: the kernel answers stat of a dead mount from its attribute
+        # cache for up to the attr timeout, but always sends STATFS (ENOTCONN at once).
+        os.statvfs(mountpoint)
         return False
     except OSError as exc:
         if exc.errno != errno.ENOTCONN:
@@ -84,9 +86,16 @@ def gateway_pid(cache_dir: str) -> int | None:
 
 def open_meta_for(settings: Settings):
     """Open fsmeta of a cache directory and bind it to the bucket (refusing another)."""
+    import lmdb
+
     from fsmeta import MetaStore
 
-    meta = MetaStore(os.path.join(settings.cache_dir, "meta"))
+    meta_dir = os.path.join(settings.cache_dir, "meta")
+    try:
+        meta = MetaStore(meta_dir)
+    except (lmdb.Error, OSError, RuntimeError) as exc:
+        # A corrupt or foreign meta/ directory, or a schema from another version: one line.
+        raise MountError(f"cache directory {settings.cache_dir}: cannot open fsmeta in {meta_dir}: {exc}") from None
     stored = meta.get_settings()
     if stored and stored.get("bucket_url") and stored["bucket_url"] != settings.bucket_url:
         meta.close()

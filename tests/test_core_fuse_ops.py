@@ -1,0 +1,87 @@
+"""The pyfuse3 layer without a mount: error mapping, EIO for unexpected exceptions."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pyfuse3
+import pytest
+import trio
+
+from conftest import ROOT, ROOT_CALLER
+from gateway import metrics
+from gateway.fuse_ops import CkptOperations
+
+
+class Ctx:
+    uid = 1000
+    gid = 1000
+    umask = 0o022
+    pid = 1
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def counter(metric, *labels) -> float:
+    return metric.labels(*labels)._value.get()
+
+
+def test_fs_error_becomes_its_errno_and_is_counted(core):
+    ops = CkptOperations(core)
+    before = counter(metrics.FUSE_ERRORS, "lookup", "ENOENT")
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        run(ops.lookup, ROOT, b"missing", Ctx())
+    assert exc.value.errno == errno.ENOENT
+    assert counter(metrics.FUSE_ERRORS, "lookup", "ENOENT") == before + 1
+
+
+def test_unexpected_exception_becomes_eio_log_and_counter(core, monkeypatch, caplog):
+    ops = CkptOperations(core)
+
+    def boom(*args):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(core, "getattr", boom)
+    before = counter(metrics.FUSE_UNEXPECTED, "getattr")
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
+        with pytest.raises(pyfuse3.FUSEError) as exc:
+            run(ops.getattr, ROOT, Ctx())
+    assert exc.value.errno == errno.EIO
+    assert counter(metrics.FUSE_UNEXPECTED, "getattr") == before + 1
+    assert any("failed unexpectedly" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_cache_device_errors_pass_through(core, monkeypatch):
+    ops = CkptOperations(core)
+    fh, _ = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core, "write", full)
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        run(ops.write, fh, 0, b"x")
+    assert exc.value.errno == errno.ENOSPC
+    core.release(fh)
+
+
+def test_forget_never_raises(core, monkeypatch):
+    ops = CkptOperations(core)
+
+    def boom(*args):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(core, "forget", boom)
+    run(ops.forget, [(ROOT, 1)])  # forget has no reply: logged and counted only
+
+
+def test_create_passes_the_caller(core):
+    ops = CkptOperations(core)
+    info, entry = run(ops.create, ROOT, b"f", 0o666, os.O_WRONLY, Ctx())
+    assert (entry.st_uid, entry.st_gid, entry.st_mode & 0o777) == (1000, 1000, 0o644)
+    run(ops.release, info.fh)
+

@@ -1,0 +1,266 @@
+"""The filesystem core without FUSE: open modes, read/write, truncate, fsync, recovery."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from conftest import ROOT, ROOT_CALLER, fsmeta_problems
+from fsmeta import FileState
+from gateway.core import FsCore, SetattrRequest
+from gateway.errors import FsError
+
+GiB = 1 << 30
+
+
+def err(fn, *args) -> int | None:
+    try:
+        fn(*args)
+    except FsError as exc:
+        return exc.errno
+    return None
+
+
+def new_file(core: FsCore, name: bytes = b"f", flags: int = os.O_RDWR) -> tuple[int, int]:
+    fh, attr = core.create(ROOT, name, 0o644, flags, ROOT_CALLER)
+    return fh, attr.ino
+
+
+def read_all(core: FsCore, ino: int) -> bytes:
+    fh = core.open(ino, os.O_RDONLY)
+    try:
+        return core.read(fh, 0, 1 << 30)
+    finally:
+        core.release(fh)
+
+
+@pytest.fixture(autouse=True)
+def _consistent(core_env):
+    yield
+    if core_env.meta is not None:
+        assert fsmeta_problems(core_env.meta) == []
+
+
+def test_write_read_and_size(core):
+    fh, ino = new_file(core)
+    assert core.write(fh, 0, b"hello world") == 11
+    assert core.read(fh, 6, 100) == b"world"
+    assert core.read(fh, 11, 10) == b""
+    assert core.read(fh, 100, 10) == b""
+    assert core.getattr(ino).size == 11  # the open file's size, before any flush
+    core.release(fh)
+    assert core.getattr(ino).size == 11
+    assert read_all(core, ino) == b"hello world"
+
+
+def test_access_mode_is_per_handle(core):
+    fh, ino = new_file(core, flags=os.O_WRONLY)
+    core.write(fh, 0, b"abc")
+    ro = core.open(ino, os.O_RDONLY)
+    assert err(core.write, ro, 0, b"x") == errno.EBADF
+    rw = core.open(ino, os.O_RDWR)
+    core.write(rw, 1, b"X")
+    assert core.read(ro, 0, 3) == b"aXc"
+    for h in (fh, ro, rw):
+        core.release(h)
+    assert err(core.release, fh) == errno.EBADF
+    assert err(core.read, fh, 0, 1) == errno.EBADF
+
+
+def test_o_trunc_truncates_on_open_also_read_only(core):
+    # libfuse negotiates atomic_o_trunc: O_TRUNC comes with the open (the kernel has
+    # checked write permission), and Linux truncates even for O_RDONLY.
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"content")
+    core.release(fh)
+    ro = core.open(ino, os.O_RDONLY | os.O_TRUNC)
+    assert core.getattr(ino).size == 0
+    assert core.read(ro, 0, 100) == b""
+    core.release(ro)
+    core.setattr(ino, SetattrRequest(size=3))
+    assert read_all(core, ino) == bytes(3)  # the cut bytes never come back
+    wo = core.open(ino, os.O_WRONLY | os.O_TRUNC)
+    core.write(wo, 0, b"new")
+    core.release(wo)
+    assert read_all(core, ino) == b"new"
+
+
+def test_sparse_write_reads_zeros_in_the_hole(core):
+    fh, ino = new_file(core)
+    core.write(fh, 1 << 20, b"tail")
+    assert core.getattr(ino).size == (1 << 20) + 4
+    data = core.read(fh, 0, (1 << 20) + 4)
+    assert data == bytes(1 << 20) + b"tail"
+    core.release(fh)
+    data_file = os.path.join(core.data_dir, f"{ino:x}")
+    assert os.stat(data_file).st_blocks * 512 < (1 << 20)  # the cache file stays sparse
+
+
+def test_offsets_past_4_gib(core_env):
+    core = core_env.core
+    fh, ino = new_file(core)
+    off = 5 * GiB + 123
+    core.write(fh, off, b"far away")
+    core.write(fh, 4 * GiB - 2, b"span")  # crosses the 32-bit boundary
+    core.fsync(fh, False)
+    core.release(fh)
+    core = core_env.reopen()
+    assert core.getattr(ino).size == off + 8
+    fh = core.open(ino, os.O_RDONLY)
+    assert core.read(fh, off, 100) == b"far away"
+    assert core.read(fh, 4 * GiB - 4, 8) == b"\0\0span\0\0"
+    core.release(fh)
+
+
+def test_truncate_down_and_up_zero_fills(core):
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"0123456789")
+    core.setattr(ino, SetattrRequest(size=4), fh)
+    assert core.read(fh, 0, 100) == b"0123"
+    core.setattr(ino, SetattrRequest(size=8), fh)  # the old bytes must not come back
+    assert core.read(fh, 0, 100) == b"0123\0\0\0\0"
+    core.release(fh)
+    core.setattr(ino, SetattrRequest(size=2))  # truncate(2) of a closed file
+    assert core.getattr(ino).size == 2
+    assert read_all(core, ino) == b"01"
+    core.setattr(ino, SetattrRequest(size=6))
+    assert read_all(core, ino) == b"01\0\0\0\0"
+
+
+def test_write_after_truncate_in_another_handle(core):
+    fh1, ino = new_file(core)
+    core.write(fh1, 0, b"x" * 100)
+    fh2 = core.open(ino, os.O_RDWR)
+    core.setattr(ino, SetattrRequest(size=0), fh2)
+    core.write(fh1, 10, b"y")
+    assert core.read(fh2, 0, 100) == bytes(10) + b"y"
+    core.release(fh1)
+    core.release(fh2)
+    assert core.getattr(ino).size == 11
+
+
+def test_every_write_after_a_flush_bumps_the_generation(core):
+    fh, ino = new_file(core)
+
+    def gen():
+        with core.meta.read() as txn:
+            inode = txn.get_inode(ino)
+            return inode.generation, inode.state, txn.get_pending(ino)
+
+    g0, _, _ = gen()
+    core.write(fh, 0, b"a")
+    g1, state, pending = gen()
+    assert g1 == g0 + 1 and state == FileState.DIRTY and pending is not None
+    core.write(fh, 1, b"b")
+    assert gen()[0] == g1  # one bump per flush interval, not per write
+    core.flush(fh)
+    core.write(fh, 2, b"c")
+    assert gen()[0] == g1 + 1
+    core.fsync(fh, True)
+    core.setattr(ino, SetattrRequest(size=1), fh)
+    assert gen()[0] == g1 + 2
+    core.release(fh)
+
+
+def test_fsync_makes_size_and_data_visible_to_a_new_process(core_env):
+    core = core_env.core
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"A" * 5000)
+    core.fsync(fh, False)
+    # Crash: the handle is never released; a new gateway opens the same cache.
+    core = core_env.reopen()
+    assert core.lookup(ROOT, b"f").size == 5000
+    assert read_all(core, ino) == b"A" * 5000
+    with core.meta.read() as txn:
+        assert txn.writer_count(ino) == 0  # open-writer counts do not survive a restart
+
+
+def test_close_persists_size_without_fsync(core_env):
+    core = core_env.core
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"B" * 3000)
+    core.release(fh)  # no fsync: committed to fsmeta, not forced to the device
+    core = core_env.reopen()  # a gateway crash (the kernel keeps its page cache)
+    assert core.getattr(ino).size == 3000
+    assert read_all(core, ino) == b"B" * 3000
+
+
+def test_recovery_cuts_unacknowledged_bytes(core_env):
+    core = core_env.core
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"A" * 100)
+    core.fsync(fh, False)
+    core.write(fh, 100, b"B" * 100)  # never flushed: fsmeta still says 100 bytes
+    core = core_env.reopen(recover=False)
+    assert core.recover()["trimmed_files"] == 1
+    assert read_all(core, ino) == b"A" * 100
+    # Extending it again must show zeros, not the cut bytes.
+    core.setattr(ino, SetattrRequest(size=150))
+    assert read_all(core, ino) == b"A" * 100 + bytes(50)
+
+
+def test_fdatasync_and_fsyncdir(core):
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"data")
+    core.fsync(fh, True)
+    dh = core.opendir(ROOT)
+    core.fsyncdir(dh, False)
+    core.fsyncdir(dh, True)
+    core.releasedir(dh)
+    core.release(fh)
+    assert read_all(core, ino) == b"data"
+
+
+def test_open_of_a_directory_is_eisdir(core):
+    d = core.mkdir(ROOT, b"d", 0o755, ROOT_CALLER)
+    assert err(core.open, d.ino, os.O_RDONLY) == errno.EISDIR
+    s = core.symlink(ROOT, b"s", b"d", ROOT_CALLER)
+    assert err(core.open, s.ino, os.O_RDONLY) == errno.EINVAL
+    assert err(core.open, 999999, os.O_RDONLY) == errno.ENOENT
+
+
+def test_concurrent_writers_from_threads(core):
+    fh, ino = new_file(core)
+    chunk = 64 * 1024
+
+    def writer(k):
+        for i in range(16):
+            off = (i * 8 + k) * chunk
+            core.write(fh, off, bytes([k + 1]) * chunk)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    core.release(fh)
+    data = read_all(core, ino)
+    assert len(data) == 128 * chunk
+    for j in range(128):
+        assert data[j * chunk:(j + 1) * chunk] == bytes([j % 8 + 1]) * chunk
+
+
+def test_statfs_reports_the_cache_device(core):
+    st = core.statfs()
+    ref = os.statvfs(core.cache_dir)
+    assert (st.f_bsize, st.f_blocks, st.f_files) == (ref.f_bsize, ref.f_blocks, ref.f_files)
+
+
+def test_writer_count_follows_writable_handles(core):
+    fh, ino = new_file(core)
+    ro = core.open(ino, os.O_RDONLY)
+    wo = core.open(ino, os.O_WRONLY)
+
+    def writers():
+        with core.meta.read() as txn:
+            return txn.writer_count(ino)
+
+    assert writers() == 2
+    core.release(fh)
+    assert writers() == 1
+    core.release(wo)
+    core.release(ro)
+    assert writers() == 0

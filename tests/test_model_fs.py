@@ -1,0 +1,359 @@
+"""Model-based test: random operation sequences on the mount and on a local filesystem agree.
+
+A Hypothesis state machine applies each step to a fresh directory on a ckptfs mount
+and to one on a local disk filesystem (ext4/xfs/..., with user xattrs), and compares
+return values, errnos, file contents, directory listings, link counts and xattrs.
+Names come from a three-letter alphabet so that steps collide.
+
+A sequence this test finds must be kept, written out as plain code, in tests/regressions/.
+Raise CKPTFS_MODEL_EXAMPLES / CKPTFS_MODEL_REMOUNT_EXAMPLES for a longer hunt.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from conftest import RENAME_EXCHANGE, RENAME_NOREPLACE, needs_fuse, renameat2
+
+pytestmark = [needs_fuse, pytest.mark.mounted]
+
+NAMES = ["a", "b", "c"]
+PATHS = st.lists(st.sampled_from(NAMES), min_size=1, max_size=2).map("/".join)
+DATA = st.binary(min_size=0, max_size=300) | st.sampled_from([b"x" * 5000, bytes(70000)])
+OFFSETS = st.sampled_from([0, 1, 100, 4095, 4096, 70000, (4 << 30) + 5])
+SIZES = st.sampled_from([0, 1, 50, 4096, 10000, (4 << 30) + 1])
+XNAMES = st.sampled_from(["user.x", "user.y"])
+OPEN_FLAGS = st.sampled_from([
+    os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC,
+    os.O_RDWR | os.O_TRUNC, os.O_WRONLY | os.O_APPEND, os.O_RDWR | os.O_APPEND,
+])
+CREATE_FLAGS = st.sampled_from([
+    os.O_CREAT | os.O_WRONLY, os.O_CREAT | os.O_RDWR, os.O_CREAT | os.O_EXCL | os.O_RDWR,
+    os.O_CREAT | os.O_TRUNC | os.O_WRONLY, os.O_CREAT | os.O_APPEND | os.O_WRONLY,
+])
+RENAME_FLAGS = st.sampled_from([0, 0, RENAME_NOREPLACE, RENAME_EXCHANGE])
+
+
+def supports_user_xattrs(path: Path) -> bool:
+    probe = path / ".xattr-probe"
+    try:
+        probe.write_bytes(b"")
+        os.setxattr(probe, "user.probe", b"1")
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def local_base(tmp_path):
+    """A directory on a real local filesystem with user xattrs (/tmp may be tmpfs without them)."""
+    if supports_user_xattrs(tmp_path):
+        yield tmp_path
+        return
+    var_tmp = Path(tempfile.mkdtemp(prefix="ckptfs-model-", dir="/var/tmp"))
+    try:
+        if not supports_user_xattrs(var_tmp):
+            pytest.skip("no local directory with user xattr support for the reference filesystem")
+        yield var_tmp
+    finally:
+        shutil.rmtree(var_tmp, ignore_errors=True)
+
+
+def outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except OSError as exc:
+        return ("err", errno.errorcode.get(exc.errno, exc.errno))
+
+
+def content(path: str):
+    """A file's bytes; for huge sparse files only the regions the steps can touch (reading 4 GiB is slow)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= 1 << 20:
+            return f.read()
+        fd = f.fileno()
+        return (size, os.pread(fd, 256 << 10, 0), os.pread(fd, 128 << 10, (4 << 30) - (64 << 10)),
+                os.pread(fd, 64 << 10, max(0, size - (64 << 10))))
+
+
+def snapshot(root: str) -> dict:
+    """Everything the model compares about a tree (not timestamps, not inode numbers)."""
+    out = {}
+    groups: dict[int, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        st_dir = os.lstat(dirpath)
+        out[rel_dir] = ("dir", stat.S_IMODE(st_dir.st_mode), st_dir.st_nlink, st_dir.st_uid, st_dir.st_gid,
+                        sorted(dirnames + filenames), xattrs(dirpath))
+        for name in filenames + dirnames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            s = os.lstat(p)
+            if stat.S_ISLNK(s.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISREG(s.st_mode):
+                out[rel] = ("file", stat.S_IMODE(s.st_mode), s.st_nlink, s.st_uid, s.st_gid, s.st_size,
+                            content(p), xattrs(p))
+                groups.setdefault(s.st_ino, []).append(rel)
+    out["<hard link groups>"] = sorted(sorted(g) for g in groups.values())
+    return out
+
+
+def xattrs(path: str) -> dict:
+    return {n: os.getxattr(path, n, follow_symlinks=False)
+            for n in sorted(os.listxattr(path, follow_symlinks=False)) if n.startswith("user.")}
+
+
+class FsModel(RuleBasedStateMachine):
+    mount_base: Path
+    local_base: Path
+    counter = itertools.count()
+
+    def __init__(self):
+        super().__init__()
+        n = next(self.counter)
+        # The compared tree is exN/root; a symlink to "../a" reaches exN/a, still private to
+        # this example.
+        self.roots = (str(self.mount_base / f"ex{n}" / "root"), str(self.local_base / f"ex{n}" / "root"))
+        for r in self.roots:
+            os.makedirs(r)
+        self.fds: list[tuple[int, int, str, int]] = []  # (mount fd, local fd, path, flags)
+
+    def both(self, what: str, fn):
+        res = [outcome(fn, root) for root in self.roots]
+        assert res[0] == res[1], f"{what}: mount gave {res[0]}, local gave {res[1]}"
+        return res[0]
+
+    def both_fd(self, what: str, i: int, fn):
+        fm, fl, path, flags = self.fds[i % len(self.fds)]
+        res = [outcome(fn, fm), outcome(fn, fl)]
+        assert res[0] == res[1], f"{what} on fd of {path} (flags {flags:#o}): mount gave {res[0]}, local gave {res[1]}"
+        return res[0]
+
+    # -- names -------------------------------------------------------------------------------------
+
+    @rule(path=PATHS, flags=CREATE_FLAGS, data=DATA)
+    def create(self, path, flags, data):
+        res = [outcome(os.open, os.path.join(r, path), flags, 0o644) for r in self.roots]
+        kinds = [r[0] for r in res]
+        if kinds == ["ok", "ok"]:
+            self.fds.append((res[0][1], res[1][1], path, flags))
+            if data:
+                self.both_fd(f"write after create {path}", -1, lambda fd: os.write(fd, data))
+        else:
+            for k, r in zip(kinds, res):
+                if k == "ok":
+                    os.close(r[1])
+            assert res[0] == res[1], f"open({path}, {flags:#o}): mount gave {res[0]}, local gave {res[1]}"
+
+    @rule(path=PATHS, flags=OPEN_FLAGS)
+    def open_existing(self, path, flags):
+        res = [outcome(os.open, os.path.join(r, path), flags) for r in self.roots]
+        if [r[0] for r in res] == ["ok", "ok"]:
+            self.fds.append((res[0][1], res[1][1], path, flags))
+        else:
+            for r in res:
+                if r[0] == "ok":
+                    os.close(r[1])
+            assert res[0] == res[1], f"open({path}, {flags:#o}): mount gave {res[0]}, local gave {res[1]}"
+
+    @rule(path=PATHS)
+    def mkdir(self, path):
+        self.both(f"mkdir {path}", lambda r: os.mkdir(os.path.join(r, path)))
+
+    @rule(path=PATHS)
+    def rmdir(self, path):
+        self.both(f"rmdir {path}", lambda r: os.rmdir(os.path.join(r, path)))
+
+    @rule(path=PATHS)
+    def unlink(self, path):
+        self.both(f"unlink {path}", lambda r: os.unlink(os.path.join(r, path)))
+
+    @rule(src=PATHS, dst=PATHS, flags=RENAME_FLAGS)
+    def rename(self, src, dst, flags):
+        self.both(f"rename {src} -> {dst} flags {flags}",
+                  lambda r: renameat2(os.path.join(r, src), os.path.join(r, dst), flags))
+
+    @rule(src=PATHS, dst=PATHS)
+    def link(self, src, dst):
+        self.both(f"link {src} -> {dst}", lambda r: os.link(os.path.join(r, src), os.path.join(r, dst)))
+
+    @rule(dest=st.sampled_from(NAMES + ["../a", "nowhere"]), path=PATHS)
+    def symlink(self, dest, path):
+        self.both(f"symlink {path} -> {dest}", lambda r: os.symlink(dest, os.path.join(r, path)))
+
+    @rule(path=PATHS, size=SIZES)
+    def truncate(self, path, size):
+        self.both(f"truncate {path} {size}", lambda r: os.truncate(os.path.join(r, path), size))
+
+    @rule(path=PATHS, mode=st.sampled_from([0o600, 0o644, 0o755, 0o4711]))
+    def chmod(self, path, mode):
+        self.both(f"chmod {path} {mode:o}", lambda r: os.chmod(os.path.join(r, path), mode))
+
+    @rule(path=PATHS, uid=st.sampled_from([0, 1000, 4242]), gid=st.sampled_from([-1, 0, 1000]))
+    def chown(self, path, uid, gid):
+        self.both(f"chown {path} {uid}:{gid}", lambda r: os.chown(os.path.join(r, path), uid, gid))
+
+    @rule(path=PATHS, times=st.tuples(st.integers(0, 2**40), st.integers(0, 2**40)))
+    def utime(self, path, times):
+        def set_and_get(r):
+            p = os.path.join(r, path)
+            os.utime(p, ns=times)
+            s = os.stat(p)
+            return s.st_atime_ns, s.st_mtime_ns
+
+        self.both(f"utime {path} {times}", set_and_get)
+
+    @rule(path=PATHS, name=XNAMES, value=st.binary(max_size=20), flags=st.sampled_from([0, os.XATTR_CREATE, os.XATTR_REPLACE]))
+    def setxattr(self, path, name, value, flags):
+        self.both(f"setxattr {path} {name} flags {flags}",
+                  lambda r: os.setxattr(os.path.join(r, path), name, value, flags))
+
+    @rule(path=PATHS, name=XNAMES)
+    def removexattr(self, path, name):
+        self.both(f"removexattr {path} {name}", lambda r: os.removexattr(os.path.join(r, path), name))
+
+    @rule(path=PATHS, name=XNAMES)
+    def getxattr(self, path, name):
+        self.both(f"getxattr {path} {name}", lambda r: os.getxattr(os.path.join(r, path), name))
+
+    @rule(path=PATHS)
+    def stat_and_list(self, path):
+        def look(r):
+            p = os.path.join(r, path)
+            s = os.stat(p)
+            if stat.S_ISDIR(s.st_mode):
+                return ("dir", sorted(os.listdir(p)), s.st_nlink)
+            return ("file", s.st_size, s.st_nlink, stat.S_IMODE(s.st_mode), content(p))
+
+        self.both(f"stat {path}", look)
+
+    @rule(path=PATHS)
+    def readlink(self, path):
+        self.both(f"readlink {path}", lambda r: os.readlink(os.path.join(r, path)))
+
+    # -- open files --------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), offset=OFFSETS, data=DATA)
+    def pwrite(self, i, offset, data):
+        self.both_fd(f"pwrite {len(data)}@{offset}", i, lambda fd: os.pwrite(fd, data, offset))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), data=DATA)
+    def write(self, i, data):
+        self.both_fd(f"write {len(data)}", i, lambda fd: os.write(fd, data))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), offset=OFFSETS, size=st.sampled_from([1, 100, 5000, 100000]))
+    def pread(self, i, offset, size):
+        self.both_fd(f"pread {size}@{offset}", i, lambda fd: os.pread(fd, size, offset))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), size=SIZES)
+    def ftruncate(self, i, size):
+        self.both_fd(f"ftruncate {size}", i, lambda fd: os.ftruncate(fd, size))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), datasync=st.booleans())
+    def fsync(self, i, datasync):
+        self.both_fd("fsync", i, lambda fd: (os.fdatasync if datasync else os.fsync)(fd))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50))
+    def fstat(self, i):
+        def look(fd):
+            s = os.fstat(fd)  # a directory opened O_RDONLY too; its st_size means nothing
+            return (None if stat.S_ISDIR(s.st_mode) else s.st_size, s.st_nlink, stat.S_IMODE(s.st_mode))
+
+        self.both_fd("fstat", i, look)
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50))
+    def close(self, i):
+        fm, fl, _, _ = self.fds.pop(i % len(self.fds))
+        os.close(fm)
+        os.close(fl)
+
+    # -- the whole tree ----------------------------------------------------------------------------
+
+    @invariant()
+    def trees_agree(self):
+        assert os.path.ismount(self.mount_base), "the mount is gone: the steps ran on the directory below it"
+        mount, local = (snapshot(r) for r in self.roots)
+        if mount != local:
+            diff = {k: (mount.get(k), local.get(k)) for k in set(mount) | set(local) if mount.get(k) != local.get(k)}
+            raise AssertionError(f"trees differ (mount, local): {diff}")
+
+    def teardown(self):
+        for fm, fl, _, _ in self.fds:
+            os.close(fm)
+            os.close(fl)
+        self.fds = []
+
+
+class FsModelWithRemount(FsModel):
+    """The same, plus clean remounts and gateway crashes (kill -9 with all files closed):
+    everything must come back as it was."""
+
+    gateway = None
+
+    @rule()
+    def remount(self):
+        self.teardown()  # handles do not survive an unmount
+        assert self.gateway.stop() == 0
+        self.gateway.start()
+
+    @rule()
+    def crash(self):
+        # kill -9 with every file closed: closed files and all namespace changes must survive.
+        self.teardown()
+        self.gateway.kill9()
+        self.gateway.start()
+
+
+def test_mount_behaves_like_a_local_filesystem(shared_gateway, local_base):
+    FsModel.mount_base = shared_gateway.mnt
+    FsModel.local_base = local_base
+    run_state_machine_as_test(
+        FsModel,
+        settings=settings(
+            max_examples=int(os.environ.get("CKPTFS_MODEL_EXAMPLES", "200")),
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=True,
+        ),
+    )
+    assert shared_gateway.alive
+
+
+def test_state_survives_remounts(gateway, local_base):
+    FsModelWithRemount.gateway = gateway
+    FsModelWithRemount.mount_base = gateway.mnt
+    FsModelWithRemount.local_base = local_base
+    run_state_machine_as_test(
+        FsModelWithRemount,
+        settings=settings(
+            max_examples=int(os.environ.get("CKPTFS_MODEL_REMOUNT_EXAMPLES", "15")),
+            stateful_step_count=20,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=True,
+        ),
+    )
+    assert gateway.alive

@@ -1,0 +1,518 @@
+"""POSIX behaviour through a real FUSE mount, as a checkpoint writer or a shell sees it.
+
+All tests share one mount (module scope) and work in their own directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    check_cache_dir,
+    errno_of,
+    needs_fuse,
+    raw_readdir,
+    renameat2,
+)
+
+pytestmark = [needs_fuse, pytest.mark.mounted]
+
+GiB = 1 << 30
+
+
+def cache_file(gw, path: Path) -> Path:
+    return gw.cache / "data" / f"{os.stat(path).st_ino:x}"
+
+
+# -- open flags and access modes --------------------------------------------------------------
+
+
+def test_open_creat_excl_trunc(mnt):
+    p = mnt / "f"
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    os.write(fd, b"first version")
+    os.close(fd)
+    assert errno_of(os.open, p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644) == errno.EEXIST
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)  # no O_EXCL: opens the existing file
+    assert os.read(fd, 100) == b"first version"
+    os.close(fd)
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    assert os.fstat(fd).st_size == 0
+    os.write(fd, b"2nd")
+    os.close(fd)
+    assert p.read_bytes() == b"2nd"
+    fd = os.open(p, os.O_RDONLY | os.O_TRUNC)  # Linux truncates here too
+    assert os.fstat(fd).st_size == 0 and os.read(fd, 10) == b""
+    os.close(fd)
+    assert errno_of(os.open, mnt / "missing", os.O_RDONLY) == errno.ENOENT
+
+
+def test_o_append_appends_from_every_handle(mnt):
+    p = mnt / "log"
+    p.write_bytes(b"start\n")
+    a = os.open(p, os.O_WRONLY | os.O_APPEND)
+    b = os.open(p, os.O_WRONLY | os.O_APPEND)
+    for i in range(5):
+        os.write(a, b"a%d\n" % i)
+        os.write(b, b"b%d\n" % i)
+    os.close(a)
+    os.close(b)
+    assert p.read_bytes() == b"start\n" + b"".join(b"a%d\nb%d\n" % (i, i) for i in range(5))
+
+
+def test_access_mode_is_honoured_per_handle(mnt):
+    p = mnt / "f"
+    p.write_bytes(b"data")
+    wo = os.open(p, os.O_WRONLY)
+    ro = os.open(p, os.O_RDONLY)
+    assert errno_of(os.read, wo, 10) == errno.EBADF
+    assert errno_of(os.write, ro, b"x") == errno.EBADF
+    os.write(wo, b"D")
+    os.fsync(wo)
+    assert os.pread(ro, 10, 0) == b"Data"
+    os.close(wo)
+    os.close(ro)
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+
+def test_sparse_writes_and_offsets_past_4_gib(mnt, shared_gateway):
+    p = mnt / "big"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.pwrite(fd, b"head", 0)
+    os.pwrite(fd, b"beyond-4G", 4 * GiB + (1 << 20) + 7)
+    os.pwrite(fd, b"edge", 4 * GiB - 2)
+    os.fsync(fd)
+    assert os.fstat(fd).st_size == 4 * GiB + (1 << 20) + 16
+    assert os.pread(fd, 9, 4 * GiB + (1 << 20) + 7) == b"beyond-4G"
+    assert os.pread(fd, 8, 4 * GiB - 4) == b"\0\0edge\0\0"
+    assert os.pread(fd, 4096, 1 << 20) == bytes(4096)  # the hole reads as zeros
+    os.close(fd)
+    assert os.stat(p).st_size == 4 * GiB + (1 << 20) + 16
+    cf = cache_file(shared_gateway, p)
+    assert cf.stat().st_blocks * 512 < (1 << 24)  # the cache file is sparse too
+    # st_blocks is derived from the size, not the allocation: du counts sparse files in full.
+    assert os.stat(p).st_blocks == (4 * GiB + (1 << 20) + 16 + 511) // 512
+
+
+def test_truncate_and_ftruncate(mnt):
+    p = mnt / "t"
+    p.write_bytes(b"0123456789")
+    os.truncate(p, 4)
+    assert p.read_bytes() == b"0123"
+    os.truncate(p, 8)
+    assert p.read_bytes() == b"0123\0\0\0\0"
+    fd = os.open(p, os.O_RDWR)
+    os.ftruncate(fd, 2)
+    assert os.fstat(fd).st_size == 2
+    os.pwrite(fd, b"Z", 5)
+    os.close(fd)
+    assert p.read_bytes() == b"01\0\0\0Z"
+    assert errno_of(os.truncate, mnt, 0) == errno.EISDIR
+
+
+def test_fsync_puts_data_and_size_on_the_cache_device(mnt, shared_gateway):
+    p = mnt / "synced"
+    payload = os.urandom(3 << 20)
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, payload)
+    os.fsync(fd)
+    # Without closing: the cache file holds the bytes and fsmeta the size.
+    assert cache_file(shared_gateway, p).read_bytes() == payload
+    from fsmeta import MetaStore
+
+    meta = MetaStore(str(shared_gateway.cache / "meta"), create=False)
+    try:
+        with meta.read() as txn:
+            assert txn.get_inode(os.stat(p).st_ino).size == len(payload)
+    finally:
+        meta.close()
+    os.write(fd, b"more")
+    os.fdatasync(fd)
+    os.close(fd)
+    assert p.read_bytes() == payload + b"more"
+
+
+def _ops(gw, op: str) -> float:
+    for line in gw.metrics().splitlines():
+        if line.startswith(f'ckptfs_fuse_ops_total{{op="{op}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_small_writes_reach_the_gateway_in_large_requests(mnt, shared_gateway):
+    before = _ops(shared_gateway, "write")
+    fd = os.open(mnt / "chunks", os.O_CREAT | os.O_WRONLY, 0o644)
+    for _ in range(1024):
+        os.write(fd, b"w" * 4096)  # returns once in the mount's page cache (writeback cache)
+    os.close(fd)
+    requests = _ops(shared_gateway, "write") - before
+    assert 1 <= requests <= 16, requests  # 4 MiB in 1 MiB requests, not 1024 round trips
+    assert (mnt / "chunks").read_bytes() == b"w" * (4 << 20)
+
+
+def test_fsync_of_directories(mnt):
+    d = mnt / "d"
+    d.mkdir()
+    (d / "f").write_bytes(b"x")
+    for path in (d, mnt):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(fd)
+        os.fdatasync(fd)
+        os.close(fd)
+
+
+def test_shared_writable_mmap(mnt):
+    p = mnt / "mapped"
+    p.write_bytes(bytes(3 * 4096))
+    fd = os.open(p, os.O_RDWR)
+    m = mmap.mmap(fd, 3 * 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    m[0:5] = b"hello"
+    m[8190:8194] = b"span"
+    m.flush()
+    m.close()
+    os.fsync(fd)
+    os.close(fd)
+    data = p.read_bytes()
+    assert data[:5] == b"hello" and data[8190:8194] == b"span" and len(data) == 3 * 4096
+
+
+def test_o_direct_reads_and_writes(mnt):
+    p = mnt / "direct"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
+    buf = mmap.mmap(-1, 8192)  # page-aligned buffer
+    buf.write(b"D" * 8192)
+    assert os.pwritev(fd, [buf], 0) == 8192
+    back = mmap.mmap(-1, 4096)
+    assert os.preadv(fd, [back], 4096) == 4096
+    assert bytes(back) == b"D" * 4096
+    os.close(fd)
+    assert p.read_bytes() == b"D" * 8192
+
+
+# -- directories -------------------------------------------------------------------------------------
+
+
+def test_o_tmpfile_is_not_supported(mnt):
+    assert errno_of(os.open, mnt, os.O_TMPFILE | os.O_RDWR, 0o600) == errno.EOPNOTSUPP
+    assert os.listdir(mnt) == []
+
+
+def test_mkdir_rmdir_enotempty(mnt):
+    d = mnt / "d"
+    d.mkdir(mode=0o750)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o750 & ~0o022
+    (d / "sub").mkdir()
+    (d / "sub" / "f").write_bytes(b"")
+    assert errno_of(os.rmdir, d) == errno.ENOTEMPTY
+    assert errno_of(os.rmdir, d / "sub" / "f") == errno.ENOTDIR
+    assert errno_of(os.unlink, d / "sub") == errno.EISDIR
+    assert errno_of(os.mkdir, d) == errno.EEXIST
+    assert d.stat().st_nlink == 3
+    assert d.stat().st_size == 0  # not a block count as on ext4: nothing relies on it
+    os.unlink(d / "sub" / "f")
+    os.rmdir(d / "sub")
+    os.rmdir(d)
+    assert not d.exists()
+
+
+def test_readdir_returns_no_dot_entries(mnt):
+    (mnt / "a").write_bytes(b"")
+    (mnt / "b").mkdir()
+    assert sorted(raw_readdir(str(mnt))) == [b"a", b"b"]
+    assert raw_readdir(str(mnt / "b")) == []
+
+
+def test_readdir_stays_correct_while_the_directory_changes(mnt):
+    d = mnt / "many"
+    d.mkdir()
+    n = 300  # a FUSE readdir request carries ~25 entries: many requests per listing
+    for i in range(n):
+        os.mknod(d / f"f{i:04d}")
+    seen = []
+    removed = set()
+    with os.scandir(d) as it:
+        for k, entry in enumerate(it):
+            seen.append(entry.name)
+            if k % 3 == 0:
+                victim = f"f{(k * 7) % n:04d}"
+                if victim not in removed and victim not in seen:
+                    os.unlink(d / victim)
+                    removed.add(victim)
+                os.mknod(d / f"new{k:04d}")
+    assert len(seen) == len(set(seen)), "an entry was returned twice"
+    originals = {f"f{i:04d}" for i in range(n)}
+    # Every entry that existed throughout is returned, exactly once.
+    assert originals - removed <= set(seen)
+    assert set(os.listdir(d)) == (originals - removed) | {n for n in os.listdir(d) if n.startswith("new")}
+
+
+# -- names ---------------------------------------------------------------------------------------------
+
+
+def test_unlink_of_an_open_file(mnt, shared_gateway):
+    p = mnt / "open"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    os.write(fd, b"still here")
+    os.unlink(p)
+    assert not p.exists()
+    assert os.fstat(fd).st_nlink == 0
+    os.pwrite(fd, b"STILL", 0)
+    os.fsync(fd)
+    assert os.pread(fd, 100, 0) == b"STILL here"
+    ino = os.fstat(fd).st_ino
+    os.close(fd)
+    p.write_bytes(b"new file, same name")
+    assert p.read_bytes() == b"new file, same name"
+    assert os.stat(p).st_ino != ino
+
+
+def test_unlinked_file_is_purged_once_closed_and_forgotten(mnt, shared_gateway):
+    from fsmeta import MetaStore
+
+    p = mnt / "gone"
+    p.write_bytes(b"x" * 100000)
+    ino = os.stat(p).st_ino
+    data = shared_gateway.cache / "data" / f"{ino:x}"
+    fd = os.open(p, os.O_RDONLY)
+    os.unlink(p)
+    time.sleep(0.3)
+    assert data.exists()  # still open
+    os.close(fd)
+    deadline = time.monotonic() + 10
+    while data.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel sends FORGET when it evicts the inode
+    assert not data.exists()
+    meta = MetaStore(str(shared_gateway.cache / "meta"), create=False)
+    try:
+        with meta.read() as txn:
+            assert txn.get_inode(ino) is None and ino not in txn.iter_orphans()
+    finally:
+        meta.close()
+
+
+def test_rename_over_an_existing_file(mnt):
+    (mnt / "tmp").write_bytes(b"new")
+    (mnt / "final").write_bytes(b"old")
+    reader = os.open(mnt / "final", os.O_RDONLY)
+    os.rename(mnt / "tmp", mnt / "final")
+    assert sorted(os.listdir(mnt)) == ["final"]
+    assert (mnt / "final").read_bytes() == b"new"
+    assert os.read(reader, 10) == b"old"  # the replaced file stays readable while open
+    os.close(reader)
+
+
+def test_rename_of_a_whole_directory(mnt):
+    src = mnt / "step_100.tmp"
+    (src / "shards").mkdir(parents=True)
+    for i in range(5):
+        (src / "shards" / f"{i}.distcp").write_bytes(bytes([i]) * 1000)
+    (src / ".metadata").write_bytes(b"meta")
+    os.rename(src, mnt / "step_100")
+    assert not src.exists()
+    dst = mnt / "step_100"
+    assert sorted(os.listdir(dst)) == [".metadata", "shards"]
+    for i in range(5):
+        assert (dst / "shards" / f"{i}.distcp").read_bytes() == bytes([i]) * 1000
+    (mnt / "empty").mkdir()
+    os.rename(dst, mnt / "empty")  # over an empty directory
+    assert (mnt / "empty" / ".metadata").read_bytes() == b"meta"
+    (mnt / "full").mkdir()
+    (mnt / "full" / "x").write_bytes(b"")
+    assert errno_of(os.rename, mnt / "empty", mnt / "full") == errno.ENOTEMPTY
+
+
+def test_rename_noreplace_and_exchange(mnt):
+    a, b = mnt / "a", mnt / "b"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    assert errno_of(renameat2, a, b, RENAME_NOREPLACE) == errno.EEXIST
+    renameat2(a, b, RENAME_EXCHANGE)
+    assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
+    d = mnt / "d"
+    d.mkdir()
+    (d / "inside").write_bytes(b"I")
+    renameat2(a, d, RENAME_EXCHANGE)  # a file and a directory swap places
+    assert (mnt / "a" / "inside").read_bytes() == b"I"
+    assert (mnt / "d").read_bytes() == b"B"
+    renameat2(b, mnt / "c", RENAME_NOREPLACE)
+    assert sorted(os.listdir(mnt)) == ["a", "c", "d"]
+    assert errno_of(renameat2, mnt / "c", mnt / "nothing", RENAME_EXCHANGE) == errno.ENOENT
+
+
+def test_directory_renamed_into_its_own_subtree_is_einval(mnt):
+    (mnt / "a" / "b" / "c").mkdir(parents=True)
+    assert errno_of(os.rename, mnt / "a", mnt / "a" / "b" / "c" / "a") == errno.EINVAL
+    assert errno_of(os.rename, mnt / "a", mnt / "a" / "x") == errno.EINVAL
+    assert errno_of(renameat2, mnt / "a", mnt / "a" / "b", RENAME_EXCHANGE) == errno.EINVAL
+    assert (mnt / "a" / "b" / "c").is_dir()
+
+
+def test_hard_links(mnt):
+    (mnt / "a").write_bytes(b"shared")
+    os.link(mnt / "a", mnt / "b")
+    assert os.stat(mnt / "a").st_nlink == 2
+    assert os.stat(mnt / "a").st_ino == os.stat(mnt / "b").st_ino
+    with open(mnt / "b", "r+b") as f:
+        f.write(b"S")
+    assert (mnt / "a").read_bytes() == b"Shared"
+    os.unlink(mnt / "a")
+    assert os.stat(mnt / "b").st_nlink == 1
+    assert errno_of(os.link, mnt, mnt / "dirlink") == errno.EPERM
+    assert errno_of(os.link, mnt / "b", mnt / "b") == errno.EEXIST
+
+
+def test_symlink_and_readlink(mnt):
+    (mnt / "target").write_bytes(b"pointed to")
+    os.symlink("target", mnt / "link")
+    os.symlink("/nonexistent/abs", mnt / "dangling")
+    assert os.readlink(mnt / "link") == "target"
+    assert os.readlink(mnt / "dangling") == "/nonexistent/abs"
+    assert (mnt / "link").read_bytes() == b"pointed to"
+    assert stat.S_ISLNK(os.lstat(mnt / "link").st_mode)
+    assert os.lstat(mnt / "link").st_size == len("target")
+    assert errno_of(os.readlink, mnt / "target") == errno.EINVAL
+
+
+def test_chmod_chown_and_nanosecond_utimens(mnt):
+    p = mnt / "f"
+    p.write_bytes(b"")
+    os.chmod(p, 0o4750)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o4750
+    os.chown(p, 1234, 5678)
+    st = os.stat(p)
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    ns = (1_600_000_000_123_456_789, 1_700_000_000_987_654_321)
+    os.utime(p, ns=ns)
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == ns
+    os.utime(mnt, ns=ns)
+    assert os.stat(mnt).st_mtime_ns == ns[1]
+    before = time.time_ns()
+    os.utime(p)  # UTIME_NOW
+    assert os.stat(p).st_mtime_ns >= before - 10**9
+
+
+def test_write_updates_mtime_reads_leave_atime(mnt):
+    p = mnt / "times"
+    p.write_bytes(b"a")
+    os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+    with open(p, "ab") as f:
+        f.write(b"b")
+    st = os.stat(p)
+    assert st.st_mtime_ns > 1_000_000_000 and st.st_ctime_ns >= st.st_mtime_ns - 10**9
+    p.read_bytes()
+    assert os.stat(p).st_atime_ns == 1_000_000_000
+
+
+def test_flock_and_fcntl_locks_work_within_the_node(mnt):
+    import fcntl
+
+    p = mnt / "lock"
+    p.write_bytes(b"")
+    a = os.open(p, os.O_RDWR)
+    b = os.open(p, os.O_RDWR)
+    fcntl.flock(a, fcntl.LOCK_EX)
+    assert errno_of(fcntl.flock, b, fcntl.LOCK_EX | fcntl.LOCK_NB) == errno.EWOULDBLOCK
+    fcntl.flock(a, fcntl.LOCK_UN)
+    fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.lockf(a, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX record locks are per process
+    r = subprocess.run([sys.executable, "-c", f"import fcntl; fcntl.lockf(open({str(p)!r}, 'r+'), fcntl.LOCK_EX | fcntl.LOCK_NB)"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "Resource temporarily unavailable" in r.stderr
+    os.close(a)
+    os.close(b)
+
+
+def test_posix_fallocate_extends_the_file(mnt):
+    p = mnt / "prealloc"
+    p.write_bytes(b"abc")
+    fd = os.open(p, os.O_RDWR)
+    os.posix_fallocate(fd, 0, 1 << 20)  # emulated by writing: FUSE has no fallocate here
+    assert os.fstat(fd).st_size == 1 << 20
+    assert os.pread(fd, 5, 0) == b"abc\0\0"
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+    assert libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096) == -1
+    assert ctypes.get_errno() == errno.EOPNOTSUPP  # no native fallocate: hole punching is refused
+    assert os.pread(fd, 3, 0) == b"abc"
+    os.close(fd)
+
+
+def test_statfs_reports_the_cache_device(mnt, shared_gateway):
+    st = os.statvfs(mnt)
+    ref = os.statvfs(shared_gateway.cache)
+    assert (st.f_bsize, st.f_frsize, st.f_blocks, st.f_files) == (ref.f_bsize, ref.f_frsize, ref.f_blocks, ref.f_files)
+    assert abs(st.f_bavail - ref.f_bavail) * ref.f_frsize < 1 << 30
+    assert st.f_namemax == 255
+
+
+def test_user_xattrs(mnt):
+    p = mnt / "f"
+    p.write_bytes(b"")
+    os.setxattr(p, "user.step", b"100")
+    os.setxattr(mnt, "user.run", b"abc")
+    assert os.getxattr(p, "user.step") == b"100"
+    assert os.getxattr(mnt, "user.run") == b"abc"
+    assert os.listxattr(p) == ["user.step"]
+    assert errno_of(os.setxattr, p, "user.step", b"1", os.XATTR_CREATE) == errno.EEXIST
+    assert errno_of(os.setxattr, p, "user.nope", b"1", os.XATTR_REPLACE) == errno.ENODATA
+    os.setxattr(p, "user.step", b"200", os.XATTR_REPLACE)
+    assert os.getxattr(p, "user.step") == b"200"
+    os.removexattr(p, "user.step")
+    assert errno_of(os.getxattr, p, "user.step") == errno.ENODATA
+    assert errno_of(os.setxattr, p, "trusted.x", b"1") == errno.ENOTSUP
+    assert os.getxattr(p, "user.ckptfs.state") == b"dirty"
+    assert errno_of(os.setxattr, p, "user.ckptfs.state", b"durable") == errno.EPERM
+
+
+def test_mknod_only_regular_files(mnt):
+    assert errno_of(os.mkfifo, mnt / "fifo") == errno.EPERM
+    os.mknod(mnt / "reg", stat.S_IFREG | 0o600)
+    assert stat.S_ISREG(os.stat(mnt / "reg").st_mode)
+
+
+def test_name_rules(mnt):
+    assert errno_of(os.open, mnt / ("n" * 256), os.O_CREAT | os.O_WRONLY) == errno.ENAMETOOLONG
+    (mnt / ("n" * 255)).write_bytes(b"ok")
+    assert errno_of(os.mkdir, os.fsencode(mnt) + b"/bad\xff") == errno.EILSEQ
+    (mnt / "ünïcödé ✓").write_bytes(b"")
+    assert "ünïcödé ✓" in os.listdir(mnt)
+
+
+def test_bucket_key_length_limit_on_deep_paths(mnt):
+    # file:// bucket, no prefix: the key is the path below the mountpoint.
+    base_len = len(mnt.name) + 1
+    d = mnt
+    for c in "abcd":
+        d = d / (c * 200)
+        d.mkdir()
+    room = 1024 - base_len - 4 * 201
+    assert errno_of(os.open, d / ("x" * (room + 1)), os.O_CREAT | os.O_WRONLY) == errno.ENAMETOOLONG
+    assert errno_of(os.mkdir, d / ("y" * room)) == errno.ENAMETOOLONG  # plus its "/"
+    (d / ("x" * room)).write_bytes(b"exactly 1024")
+    (mnt / "short").write_bytes(b"")
+    assert errno_of(os.rename, mnt / "short", d / ("z" * (room + 1))) == errno.ENAMETOOLONG
+    assert (mnt / "short").exists()
+    assert errno_of(os.rename, mnt / ("a" * 200), mnt / ("a" * 201)) == errno.ENAMETOOLONG
+
+
+def test_namespace_is_consistent_after_all_of_it(mnt, shared_gateway):
+    # Runs last in this module: everything above left fsmeta consistent.
+    subprocess.run(["sync"], check=False)
+    assert check_cache_dir(shared_gateway.cache) == []
