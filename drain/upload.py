@@ -305,7 +305,9 @@ def hash_file_sync(path: str | os.PathLike | int, size: int | None = None) -> tu
 async def hash_file(path: str | os.PathLike, size: int | None = None) -> str:
     """BLAKE3 hex digest of a file, computed in a worker thread (BLAKE3 itself
     uses all cores and releases the GIL)."""
-    hexd, _ = await trio.to_thread.run_sync(hash_file_sync, os.fspath(path), size)
+    # Abandon on cancel: a hash nobody waits for any more must not delay shutdown
+    # (the thread finishes on its own; its result is dropped).
+    hexd, _ = await trio.to_thread.run_sync(hash_file_sync, os.fspath(path), size, abandon_on_cancel=True)
     return hexd
 
 

@@ -59,6 +59,12 @@ def cmd_umount(args: argparse.Namespace, argv: list[str]) -> int:
     from .mount import gateway_pid
 
     mountpoint = os.path.abspath(args.mountpoint)
+    from .mount import clear_dead_mount
+
+    if clear_dead_mount(mountpoint):
+        print(f"ckptfs: {mountpoint}: the gateway had died; cleared its mount "
+              f"(fsynced data is still in the cache: mount again or run ckptfs drain)", file=sys.stderr)
+        return 0
     cache_dir = mount_cache_dir(mountpoint)
     if cache_dir is None:
         print(f"ckptfs: {mountpoint}: not a ckptfs mount", file=sys.stderr)

@@ -86,6 +86,7 @@ class OpenFile:
     writers: int = 0
     attrs_dirty: bool = False  # size/mtime changed since last persisted
     needs_bump: bool = True  # next modification must bump the generation first
+    new_cache_file: bool = False  # created since the data directory was last fsynced
     write_behind: WriteBehind = field(default_factory=WriteBehind)  # see gateway/writeback.py
     io_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -477,6 +478,9 @@ class FsCore:
     def create(self, parent: int, name: bytes, mode: int, flags: int, caller: Caller) -> tuple[int, Attr]:
         """O_CREAT open of a name that the kernel found missing (O_EXCL is implied)."""
         inode = self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller)
+        # A power cut can lose the commit that handed out this inode number while its
+        # cache file survived: a new file must never show such leftover bytes.
+        self._remove_data(inode.ino)
         fh = self._open_handle(inode, flags)
         with self._lock:
             return fh, self._attr(inode)
@@ -718,8 +722,15 @@ class FsCore:
         with self._lock:
             of = self._open.get(inode.ino)
             if of is None:
-                fd = os.open(self._data_path(inode.ino), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                path = self._data_path(inode.ino)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                    created = False
+                except FileNotFoundError:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    created = True
                 of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns)
+                of.new_cache_file = created
                 self._open[inode.ino] = of
             of.refs += 1
             if writable:
@@ -842,6 +853,14 @@ class FsCore:
         h = self._handle(fh)
         of = h.open_file
         (os.fdatasync if datasync else os.fsync)(of.fd)
+        if of.new_cache_file:
+            # The cache file's own name must survive a power cut too.
+            dir_fd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            of.new_cache_file = False
         self._persist(of)
         self.meta.sync()
 

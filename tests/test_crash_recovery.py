@@ -231,3 +231,14 @@ def test_dead_mountpoint_is_cleared_by_the_next_mount_only(gateway_factory):
     r = subprocess.run(gw.argv(), capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert gw.alive and os.listdir(gw.mnt) == []
+
+
+def test_umount_clears_the_mount_of_a_dead_gateway(gateway_factory):
+    gw = gateway_factory()
+    gw.kill9()
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ckptfs"), "umount", gw.mnt],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "died" in r.stderr
+    assert not os.path.ismount(gw.mnt)
+    os.statvfs(gw.mnt)  # a plain directory again, no ENOTCONN
