@@ -80,19 +80,10 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
                     while os.getppid() == gateway_pid:
                         await trio.sleep(1.0)
                     log.info("gateway is gone; draining what is left, then exiting")
-                    await drain_idle(drain)
-                    stop.set()
+                    drain.until_empty = True
                 nursery.start_soon(orphan_watch)
             await drain.run(until_empty=until_empty, stop=stop)
             nursery.cancel_scope.cancel()
-
-
-async def drain_idle(drain) -> None:
-    while True:
-        candidates, tombstones = await drain._read(drain._scan)
-        if not candidates and not tombstones and not drain.busy:
-            return
-        await trio.sleep(0.5)
 
 
 def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) -> int:

@@ -697,7 +697,7 @@ def parse_store_url(url: str) -> StoreURL:
         return StoreURL("file", None, "", norm)
     if not scheme:
         raise ValueError(f"bucket URL {url!r} has no scheme; expected s3://bucket[/prefix] or file:///abs/dir")
-    raise ValueError(f"unsupported bucket URL scheme {scheme!r} in {url!r}; expected s3:// or file://")
+    raise ValueError(f"unsupported bucket URL scheme {scheme!r} in {url!r}; expected s3://bucket[/prefix] or file:///abs/dir")
 
 
 def open_store(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import stat
 import time
 from dataclasses import dataclass, field
@@ -112,6 +111,7 @@ class Drain:
         self.tombstones_running = False
         self.stats = DrainStats()
         self.idle_since: float | None = None
+        self.until_empty = False
         self.buffers_released = False
         self.part_limiter = trio.CapacityLimiter(self.concurrency)
         # Whole-file BLAKE3 before CreateMultipartUpload, one file at a time (BLAKE3 uses
@@ -155,12 +155,15 @@ class Drain:
     # -- main loop -------------------------------------------------------------------
 
     async def run(self, *, until_empty: bool = False, stop: trio.Event | None = None) -> None:
+        """Drain until ``stop`` is set, or, once ``until_empty`` (also settable later through
+        the attribute of the same name), until nothing is left to do."""
+        self.until_empty = self.until_empty or until_empty
         await self._startup()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
             while stop is None or not stop.is_set():
                 candidates, tombstones = await self._read(self._scan)
-                if until_empty and not candidates and not tombstones and not self.busy:
+                if self.until_empty and not candidates and not tombstones and not self.busy:
                     break
                 if not candidates and not self.busy:
                     self._release_buffers_when_idle()
@@ -210,37 +213,27 @@ class Drain:
 
     async def _abort_stale_uploads(self) -> None:
         """Abort multipart uploads nobody will complete: older than a day and not ours."""
-        ours = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
-        cutoff = time.time() - STALE_UPLOAD_SECONDS
-        for info in await self.store.list_multipart_uploads(""):
-            if info.upload_id in ours or info.initiated.timestamp() > cutoff:
-                continue
-            log.info("aborting stale multipart upload of %s (started %s)", info.key, info.initiated)
-            try:
-                await self.store.abort_multipart(info.key, info.upload_id)
-            except StoreError as exc:
-                log.warning("abort of stale upload %s failed: %s", info.key, exc)
+        from .upload import abort_stale_uploads
 
-    async def _retry(self, what: str, op, *, ino: int | None = None):
+        ours = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
+        for info in await abort_stale_uploads(self.store, ours, STALE_UPLOAD_SECONDS):
+            log.info("aborted stale multipart upload of %s (started %s)", info.key, info.initiated)
+
+    async def _retry(self, what: str, op):
         """Run ``op`` until it succeeds; retryable errors back off forever, visibly."""
-        attempt = 0
-        while True:
-            try:
-                result = await op()
+        from .upload import retry_forever
+
+        async def show(state) -> None:
+            if state is None:
                 self.stats.retrying.pop(what, None)
-                return result
-            except StoreError as exc:
-                if not exc.retryable:
-                    raise
-                attempt += 1
-                self.stats.retries += 1
-                delay = min(30.0, 0.2 * 2 ** min(attempt, 10)) * random.uniform(0.5, 1.0)
-                self.stats.retrying[what] = f"{exc.code} (attempt {attempt}, next in {delay:.1f}s)"
-                log.warning("%s: %s; retrying in %.1fs (attempt %d)", what, exc.code, delay, attempt)
-                if attempt == 1:
-                    # visible right away, also before the status loop runs (startup check)
-                    await self._publish_status()
-                await trio.sleep(delay)
+                return
+            self.stats.retries += 1
+            self.stats.retrying[what] = f"{state.code} (attempt {state.attempt}, next in {state.delay:.1f}s)"
+            if state.attempt == 1:
+                # visible right away, also before the status loop runs (startup check)
+                await self._publish_status()
+
+        return await retry_forever(op, what=what, on_retry=show)
 
     # -- one inode ---------------------------------------------------------------------
 

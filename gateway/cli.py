@@ -47,18 +47,11 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
     return mount.run_daemon([a for a in argv if a != "--foreground"], settings)
 
 
-def mount_cache_dir(mountpoint: str) -> str | None:
-    """The cache directory of a ckptfs mount (asked from the mount itself)."""
-    try:
-        return os.fsdecode(os.getxattr(mountpoint, "user.ckptfs.cache_dir"))
-    except OSError:
-        return None
-
-
 def cmd_umount(args: argparse.Namespace, argv: list[str]) -> int:
     from .mount import gateway_pid
 
     mountpoint = os.path.abspath(args.mountpoint)
+    from .durability import mount_cache_dir
     from .mount import clear_dead_mount
 
     if clear_dead_mount(mountpoint):

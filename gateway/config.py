@@ -42,18 +42,23 @@ def parse_size(name: str, value) -> int:
 
 
 def parse_bucket_url(url: str) -> tuple[str, str, str]:
-    """``s3://bucket[/prefix]`` or ``file:///abs/dir`` -> (scheme, bucket or dir, prefix)."""
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        bucket = parsed.netloc
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", bucket or ""):
-            raise ConfigError(f"bucket_url: {url!r} does not name a valid S3 bucket (s3://bucket[/prefix])")
-        return "s3", bucket, parsed.path.strip("/")
+    """``s3://bucket[/prefix]`` or ``file:///abs/dir`` -> (scheme, bucket or dir, prefix).
+
+    The drain's parser decides what a URL means; on top of it, a mount insists on
+    AWS bucket naming (lower case, 3-63 characters), which S3-compatible servers
+    may relax but a training cluster moving between them should not depend on.
+    """
+    from drain.store import parse_store_url
+
+    try:
+        parsed = parse_store_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"bucket_url: {exc}") from None
     if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
-            raise ConfigError(f"bucket_url: {url!r} must be file:///absolute/dir")
-        return "file", os.path.normpath(parsed.path), ""
-    raise ConfigError(f"bucket_url: {url!r} is not s3://bucket[/prefix] or file:///abs/dir")
+        return "file", parsed.path, ""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]", parsed.bucket):
+        raise ConfigError(f"bucket_url: {url!r} does not name a valid S3 bucket (3-63 of a-z 0-9 . -)")
+    return "s3", parsed.bucket, parsed.prefix.rstrip("/")
 
 
 @dataclass

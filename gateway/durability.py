@@ -27,6 +27,14 @@ class Backlog:
         return not self.files and not self.deletes
 
 
+def mount_cache_dir(mountpoint: str) -> str | None:
+    """The cache directory of a ckptfs mount (asked from the mount itself), or None."""
+    try:
+        return os.fsdecode(os.getxattr(mountpoint, "user.ckptfs.cache_dir"))
+    except OSError:
+        return None
+
+
 def find_mount(path: str) -> tuple[str, str, str]:
     """(mount root, cache dir, path relative to the root) of a path on a ckptfs mount."""
     path = os.path.abspath(path)
@@ -36,10 +44,9 @@ def find_mount(path: str) -> tuple[str, str, str]:
         if parent == root:
             break
         root = parent
-    try:
-        cache_dir = os.fsdecode(os.getxattr(root, "user.ckptfs.cache_dir"))
-    except OSError:
-        raise NotOnMount(f"{path}: not on a ckptfs mount") from None
+    cache_dir = mount_cache_dir(root)
+    if cache_dir is None:
+        raise NotOnMount(f"{path}: not on a ckptfs mount")
     rel = os.path.relpath(path, root)
     return root, cache_dir, "" if rel == "." else rel
 

@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import blake3
 import pytest
 import trio
 
+import drain.upload
 import drain.worker
 from drain.store import StoreError
 from fsmeta import UploadPhase
@@ -29,7 +29,7 @@ def assert_object(env, key: str, data: bytes) -> None:
 @pytest.fixture
 def fast_retries(monkeypatch):
     """Backoff of retryable errors in milliseconds, permanent errors retried after 0.3 s."""
-    monkeypatch.setattr(drain.worker, "random", types.SimpleNamespace(uniform=lambda a, b: 0.05))
+    monkeypatch.setattr(drain.upload, "backoff_delay", lambda attempt, *a, **k: 0.01)
     monkeypatch.setattr(drain.worker, "PERMANENT_RETRY_SECONDS", 0.3)
 
 
