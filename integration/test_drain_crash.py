@@ -67,8 +67,13 @@ def test_kill_drain_mid_part_supervisor_restarts_it(s3_server, s3_bucket, mounts
     expected = {m.key("ckpt/model.bin"): write_file(m.path("ckpt/model.bin"), data)}
 
     def mid_part():
-        inflight = [r for r in proxy.in_flight("UploadPart") if r.bytes_in >= MiB]
-        return len(ok_parts(proxy)) >= 2 and inflight
+        inflight = [r for r in proxy.in_flight("UploadPart") if MiB <= r.bytes_in <= r.content_length - MiB]
+        if len(ok_parts(proxy)) >= 2 and inflight:
+            # Hold the part half sent until the kill lands: at 8 MiB/s it would finish
+            # in well under a second, before kill -9 under load.
+            proxy.set_bandwidth(up=64 * 1024)
+            return True
+        return False
 
     assert proxy.wait_for(mid_part, 60), proxy.counts()
     cut = [r for r in proxy.in_flight("UploadPart") if r.bytes_in >= MiB]
