@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import botocore.auth
 import botocore.exceptions
-from botocore import xform_name
 import trio
 from aiobotocore.config import AioConfig
 from aiobotocore.httpxsession import HttpxSession
 from aiobotocore.session import AioSession
+from botocore import xform_name
 from botocore.auth import S3SigV4Auth
 
 from . import localio

@@ -29,7 +29,6 @@ import os
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import NamedTuple
-from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "MiB",
@@ -47,10 +46,6 @@ __all__ = [
     "PutResult",
     "UploadInfo",
     "ObjectStore",
-    "open_store",
-    "parse_store_url",
-    "StoreURL",
-    "CHECKSUM_MODES",
     "validate_key",
     "validate_metadata",
     "validate_tags",
@@ -67,10 +62,6 @@ S3_MAX_PART_SIZE = 5 * GiB
 S3_MAX_PARTS = 10_000
 S3_MAX_PUT_SIZE = 5 * GiB
 
-#: Supported values for the ``checksum`` option of :func:`open_store`.
-#: ``auto`` = ``crc32c`` when a fast CRC32C implementation (``crc32c`` or
-#: ``awscrt`` package) is importable, else ``crc32`` (stdlib zlib).
-CHECKSUM_MODES = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
 
 
 # --------------------------------------------------------------------------
@@ -631,141 +622,3 @@ class ObjectStore(abc.ABC):
     async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
         """Replace the bucket lifecycle (boto3 ``Rules`` shape; an empty list
         deletes it).  :class:`NotSupportedError` on file://."""
-
-
-# --------------------------------------------------------------------------
-# URLs / factory
-
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreURL:
-    scheme: str  #: "s3" or "file"
-    bucket: str | None  #: s3 only
-    prefix: str  #: s3: "" or "a/b/" (always ends with "/"); file: ""
-    path: str | None  #: file only: absolute directory
-
-    def __str__(self) -> str:
-        if self.scheme == "s3":
-            return f"s3://{self.bucket}/{self.prefix}"
-        return f"file://{self.path}"
-
-
-def parse_store_url(url: str) -> StoreURL:
-    """Parse ``s3://bucket[/prefix]`` or ``file:///abs/dir``.  Raises
-    ValueError with a clear message (never echoing credentials)."""
-    if not isinstance(url, str) or not url:
-        raise ValueError("bucket URL must be a non-empty string like s3://bucket/prefix or file:///abs/dir")
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if "@" in parts.netloc:
-        raise ValueError(
-            "bucket URL must not contain credentials (user:password@); use the standard "
-            "AWS credential chain (env vars, profile, IRSA)"
-        )
-    if scheme == "s3":
-        if parts.query or parts.fragment:
-            raise ValueError(f"bucket URL {url!r} must not have a query string or fragment")
-        bucket = parts.netloc
-        if not bucket:
-            raise ValueError(f"bucket URL {url!r} has no bucket name; expected s3://bucket[/prefix]")
-        if ":" in bucket:
-            raise ValueError(
-                f"bucket URL {url!r}: put the endpoint in endpoint_url, not in the URL (expected s3://bucket[/prefix])"
-            )
-        if not _BUCKET_RE.match(bucket) or ".." in bucket:
-            raise ValueError(f"bucket URL {url!r}: {bucket!r} is not a valid bucket name (3-255 chars of [A-Za-z0-9._-])")
-        prefix = unquote(parts.path).strip("/")
-        if prefix:
-            comps = prefix.split("/")
-            if any(c in ("", ".", "..") for c in comps):
-                raise ValueError(f"bucket URL {url!r}: prefix {prefix!r} has empty, '.' or '..' components")
-            prefix += "/"
-        return StoreURL("s3", bucket, prefix, None)
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {url!r} must be file:///absolute/dir (got host {parts.netloc!r})")
-        if parts.query or parts.fragment:
-            raise ValueError(f"file URL {url!r} must not have a query string or fragment")
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise ValueError(f"file URL {url!r} must contain an absolute path: file:///abs/dir")
-        norm = os.path.normpath(path)
-        if norm == "/":
-            raise ValueError("file URL must not point at the filesystem root")
-        return StoreURL("file", None, "", norm)
-    if not scheme:
-        raise ValueError(f"bucket URL {url!r} has no scheme; expected s3://bucket[/prefix] or file:///abs/dir")
-    raise ValueError(f"unsupported bucket URL scheme {scheme!r} in {url!r}; expected s3://bucket[/prefix] or file:///abs/dir")
-
-
-def open_store(
-    bucket_url: str,
-    *,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    checksum: str = "auto",
-    concurrency: int = 8,
-    max_pool_connections: int | None = None,
-    profile: str | None = None,
-    addressing_style: str | None = None,
-    sign_payload: bool = False,
-    connect_timeout: float = 10.0,
-    read_timeout: float = 120.0,
-    verify_tls: bool | str = True,
-    multipart_copy_threshold: int | None = None,
-    copy_part_size: int = 512 * MiB,
-    file_meta: str = "auto",
-) -> ObjectStore:
-    """Create (but do not connect) a store for ``bucket_url``.
-
-    S3 options (ignored for file://):
-
-    * ``endpoint_url``: e.g. ``http://127.0.0.1:7480`` for radosgw; default AWS.
-    * ``region``: default ``$AWS_REGION`` / ``$AWS_DEFAULT_REGION`` / profile / ``us-east-1``.
-    * ``checksum``: one of :data:`CHECKSUM_MODES`.  ``md5`` (Content-MD5) works on
-      every S3 server, use it for radosgw < 18 (no flexible checksums).
-    * ``concurrency``: expected parallel requests; sizes the HTTP connection pool
-      (``concurrency + 4`` connections unless ``max_pool_connections`` is given)
-      and the part-buffer pool.
-    * ``profile``: AWS shared-config profile (else the default chain).
-    * ``addressing_style``: ``path``/``virtual``/``auto``; default ``path`` when
-      ``endpoint_url`` is given, else ``auto``.
-    * ``sign_payload``: SigV4-sign part/PUT bodies with their SHA-256 (computed off
-      the loop).  Default False: bodies are sent as ``UNSIGNED-PAYLOAD`` and
-      integrity is carried by ``checksum``.
-    * ``multipart_copy_threshold``: copy() uses UploadPartCopy above this size
-      (default 5 GiB, the CopyObject limit); ``copy_part_size`` per copied part.
-
-    file:// options: ``file_meta``: ``auto`` (xattrs if supported, else sidecar
-    files), ``xattr`` or ``sidecar``.  ``checksum`` is used for part checksums.
-    """
-    u = parse_store_url(bucket_url)
-    if checksum not in CHECKSUM_MODES:
-        raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}; got {checksum!r}")
-    if concurrency < 1:
-        raise ValueError("concurrency must be >= 1")
-    if u.scheme == "s3":
-        from .s3store import S3Store
-
-        return S3Store(
-            bucket=u.bucket,
-            prefix=u.prefix,
-            endpoint_url=endpoint_url,
-            region=region,
-            checksum=checksum,
-            concurrency=concurrency,
-            max_pool_connections=max_pool_connections,
-            profile=profile,
-            addressing_style=addressing_style,
-            sign_payload=sign_payload,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            verify_tls=verify_tls,
-            multipart_copy_threshold=multipart_copy_threshold,
-            copy_part_size=copy_part_size,
-        )
-    from .filestore import FileStore
-
-    return FileStore(u.path, checksum=checksum, meta_mode=file_meta)

@@ -26,11 +26,22 @@ from dataclasses import dataclass, field
 
 import trio
 
-from fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, locks
-from fsmeta.txn import Txn
+from ckptfs.fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, durability
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.txn import Txn
 
 from . import schedule
+from .localio import SourceChangedError
 from .store import NotFoundError, ObjectStore, PartRecord, StoreError
+from .upload import (
+    UploadAborted,
+    abort_stale_uploads,
+    hash_file,
+    release_buffers,
+    retry_forever,
+    upload_bytes,
+    upload_file,
+)
 
 log = logging.getLogger("ckptfs.drain")
 
@@ -95,6 +106,7 @@ class DrainStats:
 class Drain:
     def __init__(self, cache_dir: str, meta: MetaStore, settings, store: ObjectStore, *, clock=time.time_ns):
         self.cache_dir = cache_dir
+        self.cache = CacheDir(cache_dir)
         self.meta = meta
         self.settings = settings
         self.store = store
@@ -136,7 +148,7 @@ class Drain:
         return await trio.to_thread.run_sync(lambda: self.meta.write(lambda txn: fn(txn, *args)))
 
     def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]]]:
-        gateway_alive = locks.holder(self.cache_dir, locks.GATEWAY_LOCK) is not None
+        gateway_alive = self.cache.gateway_pid() is not None
         candidates = []
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
@@ -193,7 +205,6 @@ class Drain:
 
     def _release_buffers_when_idle(self) -> None:
         """Part buffers (concurrency x part size) go back to the OS after a quiet spell."""
-        from .upload import release_buffers
 
         now = time.monotonic()
         if self.idle_since is None:
@@ -213,7 +224,6 @@ class Drain:
 
     async def _abort_stale_uploads(self) -> None:
         """Abort multipart uploads nobody will complete: older than a day and not ours."""
-        from .upload import abort_stale_uploads
 
         ours = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
         for info in await abort_stale_uploads(self.store, ours, STALE_UPLOAD_SECONDS):
@@ -221,7 +231,6 @@ class Drain:
 
     async def _retry(self, what: str, op):
         """Run ``op`` until it succeeds; retryable errors back off forever, visibly."""
-        from .upload import retry_forever
 
         async def show(state) -> None:
             if state is None:
@@ -251,7 +260,7 @@ class Drain:
             # up to a minute: an operator who fixes the bucket policy sees uploads resume soon).
             log.error("upload of %s failed permanently: %s", cand.path, exc)
             self.stats.errors[cand.path] = exc.code
-            await self._write(lambda txn: txn.set_error(cand.ino, exc.code) if txn.get_inode(cand.ino) else None)
+            await self._write(durability.mark_error, cand.ino, exc.code)
             n = self.failures[cand.ino] = self.failures.get(cand.ino, 0) + 1
             wait = min(PERMANENT_RETRY_SECONDS, PERMANENT_RETRY_FIRST * 2 ** min(n - 1, 10))
             self.retry_after[cand.ino] = time.monotonic() + wait
@@ -373,7 +382,7 @@ class Drain:
             return True
         try:
             cached = job.is_symlink or (
-                os.stat(os.path.join(self.cache_dir, "data", f"{job.ino:x}")).st_size >= inode.size)
+                os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
         except FileNotFoundError:
             cached = False
         if not cached:
@@ -381,11 +390,7 @@ class Drain:
                         job.keys[0])
             return True
         log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
-        txn.delete_remote(job.ino)
-        inode.durable_generation = 0
-        inode.state = FileState.DIRTY
-        txn.put_inode(inode)
-        txn.mark_pending(job.ino, self.clock(), "data")
+        durability.mark_needs_upload(txn, inode, self.clock())
         return True
 
     async def _move_copy(self, src: str, dst: str, meta: dict) -> None:
@@ -408,12 +413,10 @@ class Drain:
     def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
         """The bucket no longer holds this inode's content: the next round uploads it."""
         inode = txn.get_inode(ino)
-        txn.delete_remote(ino)
         if inode is not None:
-            inode.durable_generation = 0
-            inode.state = FileState.DIRTY
-            txn.put_inode(inode)
-            txn.mark_pending(ino, self.clock(), "data")
+            durability.mark_needs_upload(txn, inode, self.clock())
+        else:
+            txn.delete_remote(ino)
 
     def _drop_if_gone(self, txn: Txn, ino: int) -> None:
         inode = txn.get_inode(ino)
@@ -427,10 +430,8 @@ class Drain:
     async def _upload(self, job: FileJob, key: str) -> tuple[str | None, str, int]:
         """Upload the file's current generation to ``key``: (etag, blake3, size), or (None, "", 0)
         if its generation moved meanwhile (the caller leaves it queued)."""
-        from .localio import SourceChangedError
-        from .upload import UploadAborted, hash_file, upload_bytes, upload_file
 
-        await self._write(self._mark_uploading, job.ino, job.generation)
+        await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns)
         if job.is_symlink:
             result = await upload_bytes(self.store, key, job.target, meta, retry=self._retry)
@@ -446,7 +447,7 @@ class Drain:
                 resume = job.upload
             else:
                 await self._abort_recorded(job.ino, job.upload)
-        path = os.path.join(self.cache_dir, "data", f"{job.ino:x}")
+        path = self.cache.data_path(job.ino)
         moved = trio.Event()
 
         async def on_created(record) -> None:
@@ -589,15 +590,12 @@ class Drain:
         return inode.generation, inode.size
 
     async def _prehash_task(self, ino: int) -> None:
-        from .localio import SourceChangedError
-        from .upload import hash_file
-
         try:
             info = await self._read(self._prehash_info, ino)
             if info is None:
                 self.prehashed[ino] = (-1, -1, "")  # not worth it; do not look again
                 return
-            path = os.path.join(self.cache_dir, "data", f"{ino:x}")
+            path = self.cache.data_path(ino)
             async with self.hash_limiter:
                 if ino in self.busy:
                     return  # its upload started; it hashes itself
@@ -618,12 +616,6 @@ class Drain:
             return info.etag
         return None
 
-    def _mark_uploading(self, txn: Txn, ino: int, generation: int) -> None:
-        inode = txn.get_inode(ino)
-        if inode is not None and inode.generation == generation and inode.state == FileState.DIRTY:
-            inode.state = FileState.UPLOADING
-            txn.put_inode(inode)
-
     async def _abort_recorded(self, ino: int, rec: UploadRecord) -> None:
         try:
             await self._retry(f"abort upload {rec.key}", lambda: self.store.abort_multipart(rec.key, rec.upload_id))
@@ -643,22 +635,16 @@ class Drain:
                 txn.add_tombstone(key)
             return None
         if inode.generation != job.generation:
-            if inode.state == FileState.UPLOADING:
-                inode.state = FileState.DIRTY
-                txn.put_inode(inode)
+            durability.upload_superseded(txn, inode)
             return None  # content moved on; pending stays, next round uploads again
         old = txn.get_remote(job.ino)
-        txn.put_remote(job.ino, record)
+        durability.mark_durable(txn, inode, job.generation, record)
         if old is not None and old.key != record.key and old.key not in current_keys:
             txn.add_tombstone(old.key)
-        inode.durable_generation = job.generation
-        inode.state = FileState.DURABLE
-        txn.put_inode(inode)
-        txn.clear_error(job.ino)
         pending = txn.get_pending(job.ino)
         if current_keys != job.keys or pending is None or pending.changed_ns != job.changed_ns:
             return None  # renamed or changed meanwhile: the next round moves it
-        txn.clear_pending(job.ino)
+        durability.mark_settled(txn, job.ino)
         return (self.clock() - pending.since_ns) / 1e9
 
     # -- directories -----------------------------------------------------------------------
@@ -680,7 +666,7 @@ class Drain:
             child_inode = txn.get_inode(child)
             expected = full + "/" if child_inode is not None and child_inode.is_dir else full
             if remote.key != expected and txn.get_pending(child) is None:
-                txn.namespace_changed(child, now)
+                durability.mark_moved(txn, child, now)
         return {
             "path": path.decode("utf-8", "surrogateescape"),
             "empty": txn.dir_is_empty(ino),
@@ -722,7 +708,7 @@ class Drain:
             current = txn.path_of(cand.ino)
             if (pending is not None and pending.changed_ns == info["changed_ns"]
                     and current is not None and current.decode("utf-8", "surrogateescape") == info["path"]):
-                txn.clear_pending(cand.ino)
+                durability.mark_settled(txn, cand.ino)
 
         await self._write(commit)
 

@@ -1,18 +1,15 @@
 """Process locks of a cache directory: who owns it right now.
 
-``gateway.lock`` is held by the one gateway serving the cache directory,
-``drain.lock`` by the one drain working on it. Both are ``flock`` locks, so
-they vanish with the process, whatever killed it; the file holds the pid for
-messages.
+The gateway lock is held by the one gateway serving the cache directory, the
+drain lock by the one drain working on it (their paths: :mod:`ckptfs.fsmeta.layout`).
+Both are ``flock`` locks, so they vanish with the process, whatever killed it;
+the file holds the pid for messages.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-
-GATEWAY_LOCK = "gateway.lock"
-DRAIN_LOCK = "drain.lock"
 
 
 class LockHeld(Exception):
@@ -21,9 +18,8 @@ class LockHeld(Exception):
         self.holder = holder
 
 
-def acquire(cache_dir: str, name: str, *, wait: bool = False) -> int:
-    """Take a lock; return its fd (keep it open). Raises LockHeld unless ``wait``."""
-    path = os.path.join(cache_dir, name)
+def acquire(path: str, *, wait: bool = False) -> int:
+    """Take the lock file at ``path``; return its fd (keep it open). Raises LockHeld unless ``wait``."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -36,9 +32,8 @@ def acquire(cache_dir: str, name: str, *, wait: bool = False) -> int:
     return fd
 
 
-def holder(cache_dir: str, name: str) -> int | None:
-    """Pid holding the lock (-1 if unreadable), or None if nobody holds it."""
-    path = os.path.join(cache_dir, name)
+def holder(path: str) -> int | None:
+    """Pid holding the lock file at ``path`` (-1 if unreadable), or None if nobody holds it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -1,4 +1,4 @@
-"""Typed access to one fsmeta transaction, and the durability state machine.
+"""Typed access to one fsmeta transaction (the state machine on top: :mod:`.durability`).
 
 Everything here runs inside a single LMDB transaction, so each public
 mutation (and any sequence of them inside one :meth:`MetaStore.write`) is
@@ -218,50 +218,14 @@ class Txn:
     def list_xattrs(self, ino: int) -> list[bytes]:
         return [bytes(k[8:]) for k, _ in self._iter_prefix("xattrs", schema.ino_key(ino))]
 
-    # -- durability state machine --------------------------------------------------
-
-    def mark_pending(self, ino: int, now_ns: int, reason: str) -> None:
-        key = schema.ino_key(ino)
-        raw = self._get("pending", key)
-        if raw is None:
-            rec = PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=reason)
-        else:
-            rec = PendingRecord.from_bytes(raw)
-            rec.changed_ns = now_ns
-            if reason == "data":
-                rec.reason = reason
-        self._put("pending", key, rec.to_bytes())
-
-    def data_changed(self, inode: Inode, now_ns: int) -> None:
-        """A write or truncate: new generation, DIRTY, queued for the drain.
-
-        The caller stores ``inode`` afterwards (or passes one it will store).
-        """
-        inode.generation += 1
-        inode.state = FileState.DIRTY
-        self._delete("errors", schema.ino_key(inode.ino))
-        self.mark_pending(inode.ino, now_ns, "data")
-
-    def namespace_changed(self, ino: int, now_ns: int) -> None:
-        """A new name (rename, link) or a dir that needs its marker: queue a reconcile.
-
-        The content state is unchanged: the drain copies a durable object to its
-        new key instead of uploading it again.
-        """
-        self.mark_pending(ino, now_ns, "rename")
-
-    def request_urgent(self, ino: int) -> None:
-        """fsync=remote: the drain should not wait for the file to be closed."""
-        key = schema.ino_key(ino)
-        raw = self._get("pending", key)
-        if raw is not None:
-            rec = PendingRecord.from_bytes(raw)
-            rec.urgent = True
-            self._put("pending", key, rec.to_bytes())
+    # -- drain queue and bucket records (transitions: ckptfs.fsmeta.durability) ----------
 
     def get_pending(self, ino: int) -> PendingRecord | None:
         raw = self._get("pending", schema.ino_key(ino))
         return PendingRecord.from_bytes(raw) if raw is not None else None
+
+    def put_pending(self, ino: int, rec: PendingRecord) -> None:
+        self._put("pending", schema.ino_key(ino), rec.to_bytes())
 
     def clear_pending(self, ino: int) -> None:
         self._delete("pending", schema.ino_key(ino))

@@ -23,7 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fsmeta import FileState, Inode, MetaStore, ROOT_INO, Txn
+from ckptfs.fsmeta import ROOT_INO, FileState, Inode, MetaStore, Txn, durability
+from ckptfs.fsmeta.layout import CacheDir
 
 from .errors import FsError
 from .writeback import WriteBehind
@@ -125,8 +126,9 @@ def _check_name(name: bytes) -> None:
 class FsCore:
     def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns):
         self.cache_dir = cache_dir
-        self.data_dir = os.path.join(cache_dir, "data")
-        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.cache = CacheDir(cache_dir)
+        self.data_dir = self.cache.data_dir
+        self.cache.make_dirs()
         self.meta = meta
         self.key_prefix = key_prefix.strip("/")
         self.clock = clock
@@ -181,7 +183,7 @@ class FsCore:
     # -- helpers ---------------------------------------------------------------------
 
     def _data_path(self, ino: int) -> str:
-        return os.path.join(self.data_dir, f"{ino:x}")
+        return self.cache.data_path(ino)
 
     def _remove_data(self, ino: int) -> None:
         try:
@@ -353,7 +355,7 @@ class FsCore:
                     raise FsError(errno.EINVAL)
                 inode.size = req.size
                 inode.mtime_ns = now
-                txn.data_changed(inode, now)
+                durability.mark_dirty(txn, inode, now)
             if req.mode is not None:
                 inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(req.mode)
             if req.uid is not None:
@@ -368,9 +370,7 @@ class FsCore:
             if inode.is_reg and (req.mode is not None or req.uid is not None or req.gid is not None
                                  or req.mtime_ns is not None) and req.size is None:
                 # Object metadata (mode/uid/gid/mtime) must follow.
-                txn.mark_pending(ino, now, "meta")
-                if inode.state in (FileState.DURABLE, FileState.CACHED_CLEAN):
-                    inode.state = FileState.DIRTY
+                durability.mark_meta_changed(txn, inode, now)
             txn.put_inode(inode)
             return inode
 
@@ -445,9 +445,9 @@ class FsCore:
             txn.add_entry(parent, name, inode.ino)
             if is_dir:
                 # An empty directory is a marker object; its parent no longer needs one.
-                txn.namespace_changed(inode.ino, now)
+                durability.mark_moved(txn, inode.ino, now)
             else:
-                txn.mark_pending(inode.ino, now, "data")
+                durability.mark_created(txn, inode, now)
             self._touch_dir(txn, parent_inode, now)
             return inode
 
@@ -505,7 +505,7 @@ class FsCore:
             inode.ctime_ns = now
             txn.put_inode(inode)
             txn.add_entry(new_parent, new_name, ino)
-            txn.namespace_changed(ino, now)
+            durability.mark_moved(txn, ino, now)
             self._touch_dir(txn, parent_inode, now)
             return inode
 
@@ -546,11 +546,11 @@ class FsCore:
             # name is live again by then).
             txn.add_tombstone(key, now_ns=now)
             if inode.nlink > 1:
-                txn.namespace_changed(ino, now)
+                durability.mark_moved(txn, ino, now)
             self._drop_link(txn, inode, now)
             self._touch_dir(txn, parent_inode, now)
             if parent_inode.ino != ROOT_INO and txn.dir_is_empty(parent):
-                txn.namespace_changed(parent, now)  # now needs its marker object
+                durability.mark_moved(txn, parent, now)  # now needs its marker object
             return ino
 
         ino = self.meta.write(unlink)
@@ -581,7 +581,7 @@ class FsCore:
             parent_inode.nlink -= 1
             self._touch_dir(txn, parent_inode, now)
             if parent_inode.ino != ROOT_INO and txn.dir_is_empty(parent):
-                txn.namespace_changed(parent, now)
+                durability.mark_moved(txn, parent, now)
             return ino
 
         ino = self.meta.write(rmdir)
@@ -670,12 +670,12 @@ class FsCore:
                     txn.add_tombstone(old_key, now_ns=now)
             inode.ctime_ns = now
             txn.put_inode(inode)
-            txn.namespace_changed(ino, now)
+            durability.mark_moved(txn, ino, now)
             self._touch_dir(txn, old_dir, now)
             if new_dir is not old_dir:
                 self._touch_dir(txn, new_dir, now)
             if old_dir.ino != ROOT_INO and txn.dir_is_empty(old_dir.ino):
-                txn.namespace_changed(old_dir.ino, now)
+                durability.mark_moved(txn, old_dir.ino, now)
 
         self.meta.write(rename)
         for victim in victim_box:
@@ -709,7 +709,7 @@ class FsCore:
         for inode in (a, b):
             inode.ctime_ns = now
             txn.put_inode(inode)
-            txn.namespace_changed(inode.ino, now)
+            durability.mark_moved(txn, inode.ino, now)
         self._touch_dir(txn, old_dir, now)
         if new_dir.ino != old_dir.ino:
             self._touch_dir(txn, new_dir, now)
@@ -793,7 +793,7 @@ class FsCore:
 
         def bump(txn: Txn) -> None:
             inode = self._need_inode(txn, of.ino)
-            txn.data_changed(inode, now)
+            durability.mark_dirty(txn, inode, now)
             txn.put_inode(inode)
 
         self.meta.write(bump)
@@ -838,7 +838,7 @@ class FsCore:
                     return
                 inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime, ctime
                 if inode.nlink > 0:
-                    txn.mark_pending(of.ino, self.clock(), "data")
+                    durability.mark_written(txn, of.ino, self.clock())
                 txn.put_inode(inode)
 
             self.meta.write(persist)
@@ -929,29 +929,11 @@ class FsCore:
 
     # -- extended attributes ----------------------------------------------------------------
 
-    def _state_label(self, txn: Txn, inode: Inode) -> str:
-        if inode.is_dir:
-            return "durable" if self.subtree_is_durable(txn, inode.ino) else "dirty"
-        error = txn.get_error(inode.ino)
-        if error:
-            return f"error: {error}"
-        if txn.get_pending(inode.ino) is not None:
-            return "uploading" if txn.get_upload(inode.ino) is not None else "dirty"
-        return inode.state.label
-
-    def subtree_is_durable(self, txn: Txn, ino: int) -> bool:
-        if txn.get_pending(ino) is not None:
-            return False
-        for _, child in txn.iter_subtree(ino):
-            if txn.get_pending(child) is not None:
-                return False
-        return True
-
     def getxattr(self, ino: int, name: bytes) -> bytes:
         with self.meta.read() as txn:
             inode = self._need_inode(txn, ino)
             if name == STATE_XATTR:
-                return self._state_label(txn, inode).encode()
+                return durability.state_label(txn, inode).encode()
             if name == BLAKE3_XATTR:
                 remote = txn.get_remote(ino)
                 if remote is None or txn.get_pending(ino) is not None or not remote.blake3:

@@ -16,11 +16,50 @@ import subprocess
 import sys
 import time
 
-from fsmeta import locks
+import lmdb
+import pyfuse3
+import trio
 
-from .config import ConfigError, Settings
+from ckptfs.drain.factory import open_store_for
+from ckptfs.drain.store import StoreError
+from ckptfs.fsmeta import locks
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
+
+from . import metrics
+from .core import FsCore
+from .fuse_ops import CkptOperations
+from .supervisor import DrainSupervisor
 
 log = logging.getLogger("ckptfs.mount")
+
+class NotOnMount(Exception):
+    """A path the user named is not on a ckptfs mount."""
+
+
+def mount_cache_dir(mountpoint: str) -> str | None:
+    """The cache directory of a ckptfs mount (asked from the mount itself), or None."""
+    try:
+        return os.fsdecode(os.getxattr(mountpoint, "user.ckptfs.cache_dir"))
+    except OSError:
+        return None
+
+
+def find_mount(path: str) -> tuple[str, str, str]:
+    """(mount root, cache dir, path relative to the root) of a path on a ckptfs mount."""
+    path = os.path.abspath(path)
+    root = path
+    while not os.path.ismount(root):
+        parent = os.path.dirname(root)
+        if parent == root:
+            break
+        root = parent
+    cache_dir = mount_cache_dir(root)
+    if cache_dir is None:
+        raise NotOnMount(f"{path}: not on a ckptfs mount")
+    rel = os.path.relpath(path, root)
+    return root, cache_dir, "" if rel == "." else rel
+
 
 class MountError(Exception):
     """A reason the mount cannot start; printed as one line."""
@@ -31,9 +70,8 @@ class MountError(Exception):
 
 def prepare_cache_dir(path: str) -> None:
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        CacheDir(path).make_dirs()
         os.chmod(path, 0o700)  # data of every user lives here: keep it private
-        os.makedirs(os.path.join(path, "data"), mode=0o700, exist_ok=True)
     except OSError as exc:
         raise MountError(f"cache directory {path}: cannot create it: {exc.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):
@@ -74,25 +112,16 @@ def check_mountpoint(mountpoint: str) -> None:
 def lock_cache_dir(path: str) -> int:
     """Take the cache directory's gateway lock; refuse if another gateway holds it."""
     try:
-        return locks.acquire(path, locks.GATEWAY_LOCK)
+        return locks.acquire(CacheDir(path).gateway_lock)
     except locks.LockHeld as exc:
         raise MountError(f"cache directory {path}: in use by another gateway (pid {exc.holder})") from None
 
 
-def gateway_pid(cache_dir: str) -> int | None:
-    """Pid of the gateway holding the cache directory, or None if none does."""
-    return locks.holder(cache_dir, locks.GATEWAY_LOCK)
-
-
 def open_meta_for(settings: Settings):
     """Open fsmeta of a cache directory and bind it to the bucket (refusing another)."""
-    import lmdb
-
-    from fsmeta import MetaStore
-
-    meta_dir = os.path.join(settings.cache_dir, "meta")
+    meta_dir = CacheDir(settings.cache_dir).meta_dir
     try:
-        meta = MetaStore(meta_dir)
+        meta = CacheDir(settings.cache_dir).open_meta(create=True)
     except (lmdb.Error, OSError, RuntimeError) as exc:
         # A corrupt or foreign meta/ directory, or a schema from another version: one line.
         raise MountError(f"cache directory {settings.cache_dir}: cannot open fsmeta in {meta_dir}: {exc}") from None
@@ -109,13 +138,6 @@ def open_meta_for(settings: Settings):
 
 def check_bucket(settings: Settings) -> None:
     """Refuse a bucket or credentials that cannot work, before mounting."""
-    import trio
-
-    from drain.main import open_store_for
-    from drain.store import StoreError
-
-    from .config import parse_bucket_url
-
     scheme, root, _ = parse_bucket_url(settings.bucket_url)
     if scheme == "file":
         try:
@@ -142,14 +164,6 @@ def check_bucket(settings: Settings) -> None:
 
 def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
-    import pyfuse3
-    import trio
-
-    from . import metrics
-    from .core import FsCore
-    from .fuse_ops import CkptOperations
-    from .supervisor import DrainSupervisor
-
     def fail(message: str) -> int:
         if ready_fd is not None:
             os.write(ready_fd, f"ERR {message}\n".encode())
@@ -237,10 +251,10 @@ def run_daemon(argv: list[str], settings: Settings, timeout: float = 60.0) -> in
         print(f"ckptfs: {exc}", file=sys.stderr)
         return 1
     read_fd, write_fd = os.pipe()
-    log_path = os.path.join(settings.cache_dir, "gateway.log")
+    log_path = CacheDir(settings.cache_dir).gateway_log
     with open(log_path, "ab") as log_file:
         child = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *argv, "--foreground", "--ready-fd", str(write_fd)],
+            [sys.executable, "-m", "ckptfs", *argv, "--foreground", "--ready-fd", str(write_fd)],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=log_file,

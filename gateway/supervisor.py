@@ -12,11 +12,12 @@ import errno
 import logging
 import subprocess
 import sys
-import time
 
+import pyfuse3
 import trio
 
-from .config import Settings
+from ckptfs.fsmeta import durability
+from ckptfs.fsmeta.settings import Settings
 
 log = logging.getLogger("ckptfs.supervisor")
 
@@ -30,19 +31,13 @@ class DrainSupervisor:
 
     def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "drain.main", "--cache-dir", self.settings.cache_dir, "--supervised"],
+            [sys.executable, "-m", "ckptfs", "drain", "--cache-dir", self.settings.cache_dir, "--supervised"],
             stdin=subprocess.DEVNULL,
             close_fds=True,
         )
         log.info("drain started (pid %d)", self.proc.pid)
 
     def start(self) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("drain.main") is None:
-            log.warning("drain module not available; files stay in the cache")
-            self._stopping = True
-            return
         self._spawn()
 
     async def watch(self) -> None:
@@ -74,17 +69,15 @@ class DrainSupervisor:
 
         def request_and_check(ino: int, first: bool) -> str | None:
             def mark(txn):
-                if first:
-                    txn.request_urgent(ino)
-                if txn.get_pending(ino) is None:
-                    return "durable"
-                return txn.get_error(ino)
+                durability.request_urgent(txn, ino)
+                return durability.remote_fsync_state(txn, ino)
 
-            return meta.write(mark) if first else _read_state(meta, ino)
+            if first:
+                return meta.write(mark)
+            with meta.read() as txn:
+                return durability.remote_fsync_state(txn, ino)
 
         async def hook(core, fh: int) -> None:
-            import pyfuse3
-
             ino = core.handle_inode(fh)
             first = True
             while True:
@@ -98,20 +91,3 @@ class DrainSupervisor:
                 await trio.sleep(0.05)
 
         return hook
-
-
-def _read_state(meta, ino: int) -> str | None:
-    with meta.read() as txn:
-        if txn.get_pending(ino) is None:
-            return "durable"
-        return txn.get_error(ino)
-
-
-def wait_until(predicate, timeout: float | None, interval: float = 0.1) -> bool:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

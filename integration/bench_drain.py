@@ -10,7 +10,7 @@ What it measures (radosgw on 127.0.0.1, started by the bench unless
    * *drain*: a cache directory is filled once through a real mount with
      ``settle_seconds = 3600`` (nothing drains while writing); before each
      round every file is requeued in fsmeta (new generation, as a rewrite
-     would) and ``python -m drain.main --cache-dir C --until-empty`` runs as a
+     would) and ``python -m ckptfs drain --cache-dir C --until-empty`` runs as a
      child process. Wall time is the child's lifetime (process start-up and
      the bucket check included; the start-up of an idle drain is measured and
      shown separately); CPU is the child's rusage (``os.wait4``), all threads.
@@ -106,7 +106,7 @@ def loadavg() -> str:
 
 def requeue_all(cache: Path, *, settle: float = 0.0, meta=None) -> int:
     """Mark every file of the cache as rewritten (new generation, pending), settle window 0."""
-    from fsmeta import ROOT_INO, MetaStore
+    from ckptfs.fsmeta import ROOT_INO, MetaStore, durability
 
     own = meta is None
     if own:
@@ -122,7 +122,7 @@ def requeue_all(cache: Path, *, settle: float = 0.0, meta=None) -> int:
             for _, ino in txn.iter_subtree(ROOT_INO):
                 inode = txn.get_inode(ino)
                 if inode is not None and inode.is_reg:
-                    txn.data_changed(inode, now)
+                    durability.mark_dirty(txn, inode, now)
                     txn.put_inode(inode)
                     n += 1
             return n
@@ -136,7 +136,7 @@ def requeue_all(cache: Path, *, settle: float = 0.0, meta=None) -> int:
 def run_drain(cache: Path, env: dict, rgw: list[int]) -> dict:
     rgw0 = proc_cpu(rgw)
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "drain.main", "--cache-dir", str(cache), "--until-empty"],
+    p = subprocess.Popen([sys.executable, "-m", "ckptfs", "drain", "--cache-dir", str(cache), "--until-empty"],
                          env=env, cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     err_lines = []
     reader = threading.Thread(target=lambda: err_lines.extend(p.stderr), daemon=True)
@@ -152,15 +152,15 @@ def run_drain(cache: Path, env: dict, rgw: list[int]) -> dict:
 
 
 class SteadyDrain:
-    """One long-lived ``python -m drain.main --cache-dir C`` child (as under a mount):
+    """One long-lived ``python -m ckptfs drain --cache-dir C`` child (as under a mount):
     each round requeues every file and waits until fsmeta has nothing pending; CPU is
     the child's utime + stime delta over the round (/proc), start-up excluded."""
 
     def __init__(self, cache: Path, env: dict):
-        from fsmeta import MetaStore
+        from ckptfs.fsmeta import MetaStore
 
         self.cache = cache
-        self.proc = subprocess.Popen([sys.executable, "-m", "drain.main", "--cache-dir", str(cache)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "ckptfs", "drain", "--cache-dir", str(cache)],
                                      env=env, cwd=str(REPO), stdout=subprocess.DEVNULL,
                                      stderr=open(cache.parent / "steady-drain.log", "ab"))
         self.meta = MetaStore(str(cache / "meta"), create=False)
@@ -224,7 +224,7 @@ def run_boto3(s3, bucket: str, prefix: str, files: list[Path], part_size: int, c
 
 
 def ack_to_durable(s3, bucket: str, base: Path, size: int) -> dict:
-    from gateway.durability import wait_durable
+    from ckptfs.cli.status import wait_durable
 
     m = Mount(s3, bucket, "ack", base, name="ack")  # default settings: settle 1 s, 64 MiB parts
     m.start()
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
-    from gateway.config import Settings
+    from ckptfs.fsmeta.settings import Settings
 
     defaults = Settings()
     part_size = (args.part_size_mib * MiB) if args.part_size_mib else int(defaults.part_size)

@@ -19,7 +19,8 @@ import time
 
 import trio
 
-from drain.store import MiB, open_store
+from ckptfs.drain.store import MiB
+from ckptfs.drain.factory import open_store
 
 
 def _cpu() -> tuple[float, float]:
@@ -76,7 +77,7 @@ async def _parts_only(args, path, size, checksum, sign, botocore_signing=False):
 
 
 async def _full(args, path, size, checksum):
-    from drain.upload import upload_file
+    from ckptfs.drain.upload import upload_file
 
     async with open_store(
         f"s3://{args.bucket}/bench", endpoint_url=args.endpoint, checksum=checksum, concurrency=args.concurrency
@@ -90,7 +91,7 @@ async def _full(args, path, size, checksum):
 
 
 async def _hash(path, size):
-    from drain.upload import hash_file
+    from ckptfs.drain.upload import hash_file
 
     with Meter("blake3 hash pass alone (page cache)", size):
         await hash_file(path)

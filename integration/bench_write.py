@@ -253,7 +253,7 @@ class Mount:
             os.makedirs(d, exist_ok=True)
         args = [os.path.join(REPO, ".venv", "bin", "ckptfs")]
         if not os.path.exists(args[0]):
-            args = [sys.executable, "-m", "gateway.cli"]
+            args = [sys.executable, "-m", "ckptfs"]
         args += ["mount", f"file://{self.bucket}", self.mnt, "--cache-dir", self.cache, "--foreground",
                  "--metrics-addr", f"127.0.0.1:{_free_port()}"]
         if self.settle_seconds is not None:

@@ -29,7 +29,7 @@ def ckptfs_cmd() -> list[str]:
     script = Path(sys.executable).parent / "ckptfs"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "gateway.cli"]
+    return [sys.executable, "-m", "ckptfs"]
 
 
 def fuse_skip_reason() -> str | None:
@@ -175,11 +175,11 @@ class Mount:
 
     def drain_pid(self, timeout: float = 30.0) -> int:
         """Pid of the drain: the holder of CACHE/drain.lock, checked to be the gateway's child."""
-        from fsmeta import locks
+        from ckptfs.fsmeta.layout import CacheDir
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pid = locks.holder(str(self.cache), locks.DRAIN_LOCK)
+            pid = CacheDir(self.cache).drain_pid()
             if pid and pid > 0 and self.proc is not None and _ppid(pid) == self.proc.pid:
                 return pid
             time.sleep(0.05)
@@ -246,7 +246,7 @@ class Mount:
 
     def fsmeta_upload(self, rel: str):
         """The fsmeta UploadRecord of a file (read from the cache directory), or None."""
-        from fsmeta import MetaStore
+        from ckptfs.fsmeta import MetaStore
 
         meta = MetaStore(str(self.cache / "meta"), create=False)
         try:

@@ -171,8 +171,8 @@ def test_stale_foreign_uploads_aborted_at_start(s3_server, s3_bucket, mounts, mo
     """Uploads under our prefix that fsmeta does not know and that are older than
     STALE_UPLOAD_SECONDS are aborted when a drain starts (24 h in production; 0 here),
     uploads outside the prefix are not touched."""
-    from drain import main as drain_main
-    from drain import worker
+    from ckptfs.drain import main as drain_main
+    from ckptfs.drain import worker
 
     c = s3_server.client()
     m = mounts(s3_server, s3_bucket, "mine", drain=CFG).start()

@@ -2,10 +2,13 @@
 
 ``plan()`` (pure) turns a bucket listing plus rules into a ``Plan``.
 Not imported here, because they need the object store and trio:
-``lifecycle.executor`` carries a plan out (deletes, tags + bucket lifecycle
-rules, or copies in place), ``lifecycle.pins`` keeps pins in the bucket, and
-``lifecycle.cli`` is ``ckptfs lifecycle plan|apply`` and ``ckptfs promote``.
+``ckptfs.lifecycle.executor`` carries a plan out (deletes, tags + bucket lifecycle
+rules, or copies in place), ``ckptfs.lifecycle.pins`` keeps pins in the bucket, and
+``ckptfs.cli.lifecycle`` is ``ckptfs lifecycle plan|apply`` and ``ckptfs promote``.
 """
+
+if __name__ != "ckptfs.lifecycle":  # e.g. a source tree on sys.path: one module under two names breaks state
+    raise ImportError("ckptfs's lifecycle package is ckptfs.lifecycle; import that instead of lifecycle")
 
 from .catalog import MTIME_TAG, Catalog, Checkpoint, ListedObject, Series, build_catalog
 from .planner import (

@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -50,14 +49,16 @@ from typing import Any
 
 import trio
 
-from drain.store import (
+from ckptfs.drain.store import (
     NotFoundError,
     NotSupportedError,
     PreconditionFailedError,
     StoreError,
     collapse_exception_group,
-    parse_store_url,
 )
+from ckptfs.fsmeta import durability
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import parse_store_url
 
 from .catalog import MTIME_TAG, ListedObject, effective_mtime
 from .pins import is_reserved_key, pins_from_keys, read_pins
@@ -165,9 +166,7 @@ def read_local_pending(cache_dir: str, store_url: str) -> set[str]:
     at (sources of renames not yet copied), in-flight multipart uploads and
     queued bucket deletes (tombstones).  Raises :class:`CacheMismatch` if the cache belongs to
     an unrelated bucket, FileNotFoundError if there is no cache there."""
-    from fsmeta import MetaStore
-
-    meta = MetaStore(os.path.join(cache_dir, "meta"), create=False)
+    meta = CacheDir(cache_dir).open_meta()
     try:
         with meta.read() as txn:
             settings = txn.get_settings() or {}
@@ -179,33 +178,7 @@ def read_local_pending(cache_dir: str, store_url: str) -> set[str]:
                 raise CacheMismatch(
                     f"cache directory {cache_dir} belongs to {cache_url}, not to {store_url}; its pending keys are ignored"
                 )
-            raw: set[str] = set()
-
-            def add_remote(ino: int) -> None:
-                # The object this inode's content still sits at (a rename's copy source).
-                remote = txn.get_remote(ino)
-                if remote is not None and remote.key:
-                    raw.add(remote.key)
-
-            for ino, _ in txn.iter_pending():
-                inode = txn.get_inode(ino)
-                if inode is None:
-                    continue
-                add_remote(ino)
-                if inode.is_dir:
-                    path = txn.path_of(ino)
-                    if path is not None:
-                        raw.add(_decode(path) + "/")
-                    # A renamed directory is expanded by the drain later: until then
-                    # its subtree's objects are copy sources under their old keys.
-                    for _, child in txn.iter_subtree(ino):
-                        add_remote(child)
-                else:
-                    raw.update(_decode(p) for p in txn.paths_of(ino))
-            for _, upload in txn.iter_uploads():
-                raw.add(upload.key)
-            for key, _ in txn.iter_tombstones():
-                raw.add(key)
+            raw = durability.pending_keys(txn)
     finally:
         meta.close()
     out = set()
@@ -214,10 +187,6 @@ def read_local_pending(cache_dir: str, store_url: str) -> set[str]:
         if mapped is not None:
             out.add(mapped)
     return out
-
-
-def _decode(path: bytes) -> str:
-    return path.decode("utf-8", "surrogateescape")
 
 
 def key_mapper(cache_url: str, store_url: str) -> Callable[[str], str | None] | None:

@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fsmeta import MetaStore, ROOT_INO  # noqa: E402
-from fsmeta import schema  # noqa: E402
-from gateway.core import Caller, FsCore  # noqa: E402
+from ckptfs.fsmeta import MetaStore, ROOT_INO  # noqa: E402
+from ckptfs.fsmeta import schema  # noqa: E402
+from ckptfs.gateway.core import Caller, FsCore  # noqa: E402
 
 # -- FUSE availability ----------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ def ckptfs_cmd() -> list[str]:
     script = Path(sys.executable).parent / "ckptfs"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "gateway.cli"]
+    return [sys.executable, "-m", "ckptfs"]
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import time
 import blake3
 
 from conftest import REPO, ckptfs_cmd
-from fsmeta import locks
+from ckptfs.fsmeta.layout import CacheDir
 
 from test_drain_support import MiB, denv  # noqa: F401
 
@@ -43,7 +43,7 @@ def test_drain_until_empty_flushes_a_cache_without_a_gateway(denv):
         assert denv.head(path).metadata["blake3"] == blake3.blake3(data).hexdigest()
         assert denv.state(path) == "durable"
     assert denv.pending() == {} and denv.tombstones() == {}
-    assert locks.holder(str(denv.cache), locks.DRAIN_LOCK) is None
+    assert CacheDir(denv.cache).drain_pid() is None
 
 
 def test_second_drain_on_the_same_cache_is_refused(denv):
@@ -52,7 +52,7 @@ def test_second_drain_on_the_same_cache_is_refused(denv):
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        while locks.holder(str(denv.cache), locks.DRAIN_LOCK) != first.pid:
+        while CacheDir(denv.cache).drain_pid() != first.pid:
             assert first.poll() is None, first.stderr.read()
             assert time.monotonic() < deadline, "the first drain never took drain.lock"
             time.sleep(0.05)
@@ -74,7 +74,7 @@ def test_second_drain_on_the_same_cache_is_refused(denv):
             first.kill()
             first.wait()
         first.stderr.close()
-    assert locks.holder(str(denv.cache), locks.DRAIN_LOCK) is None
+    assert CacheDir(denv.cache).drain_pid() is None
 
 
 def test_drain_of_a_directory_that_is_no_cache_says_so(tmp_path):

@@ -26,10 +26,10 @@ def dirs():
     for mnt in (base / "mnt", base / "mnt2"):
         lazy_unmount(mnt)
     # A daemonized gateway that a failed test left behind.
-    from gateway.mount import gateway_pid
+    from ckptfs.fsmeta.layout import CacheDir
 
     for cache in base.glob("cache*"):
-        pid = gateway_pid(str(cache))
+        pid = CacheDir(cache).gateway_pid()
         if pid and pid > 0:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
@@ -126,7 +126,7 @@ def test_missing_and_unreadable_config_file(dirs):
     cfg = dirs / "secret.toml"
     cfg.write_text("[mount]\nfsync = \"local\"\n")
     cfg.chmod(0o600)  # root's file: unreadable for uid 1000
-    argv = [sys.executable, "-m", "gateway.cli", *mount_cmd(dirs, "--config", str(cfg))[len(ckptfs_cmd()):]]
+    argv = [sys.executable, "-m", "ckptfs", *mount_cmd(dirs, "--config", str(cfg))[len(ckptfs_cmd()):]]
     line = refused(argv, as_uid=1000)
     assert line == f"ckptfs: config: {cfg}: permission denied"
 
@@ -155,19 +155,19 @@ def test_cache_dir_of_another_bucket_is_refused(dirs):
 
 
 def test_daemon_mode_returns_once_mounted_and_umount_unmounts(dirs):
-    from gateway.mount import gateway_pid
+    from ckptfs.fsmeta.layout import CacheDir
 
     r = subprocess.run(mount_cmd(dirs, foreground=False), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert os.path.ismount(dirs / "mnt")  # no waiting: mounted when the command returned
-    pid = gateway_pid(str(dirs / "cache"))
+    pid = CacheDir(dirs / "cache").gateway_pid()
     assert pid and pid > 0
     (dirs / "mnt" / "f").write_bytes(b"daemon")
     assert (dirs / "mnt" / "f").read_bytes() == b"daemon"
     r = subprocess.run([*ckptfs_cmd(), "umount", str(dirs / "mnt")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert not os.path.ismount(dirs / "mnt")
-    assert gateway_pid(str(dirs / "cache")) is None  # the gateway has finished and let go
+    assert CacheDir(dirs / "cache").gateway_pid() is None  # the gateway has finished and let go
     # Data is still in the cache: a new mount shows it.
     r = subprocess.run(mount_cmd(dirs, foreground=False), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -175,9 +175,9 @@ def test_daemon_mode_returns_once_mounted_and_umount_unmounts(dirs):
     # fusermount3 -u also stops the gateway cleanly.
     subprocess.run(["fusermount3", "-u", str(dirs / "mnt")], check=True)
     deadline = time.monotonic() + 30
-    while gateway_pid(str(dirs / "cache")) and time.monotonic() < deadline:
+    while CacheDir(dirs / "cache").gateway_pid() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gateway_pid(str(dirs / "cache")) is None
+    assert CacheDir(dirs / "cache").gateway_pid() is None
     assert "unmounted" in (dirs / "cache" / "gateway.log").read_text()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import (
+from ckptfs.fsmeta.settings import (
     DEFAULT_MARKERS,
     ConfigError,
     Settings,
@@ -33,9 +33,6 @@ allow_other = false
 
 [cache]
 dir = "{tmp_path}/cache"
-max_size = "500GiB"
-high_watermark = 0.8
-backpressure_timeout = 30
 
 [drain]
 settle_seconds = 2.5
@@ -51,8 +48,7 @@ keep_last = 3
     assert s.bucket_url == "s3://my-bucket/runs" and s.key_prefix == "runs"
     assert s.endpoint_url == "http://127.0.0.1:9000"
     assert (s.fsync, s.metrics_addr, s.allow_other) == ("remote", "0.0.0.0:9999", False)
-    assert s.cache_dir == f"{tmp_path}/cache" and s.cache_max_size == "500GiB"
-    assert (s.cache_high_watermark, s.backpressure_timeout) == (0.8, 30)
+    assert s.cache_dir == f"{tmp_path}/cache"
     assert (s.settle_seconds, s.part_size, s.concurrency) == (2.5, 128 << 20, 16)
     assert s.markers == [".metadata", "DONE"] and s.checksum == "crc32c"
     assert s.lifecycle == {"keep_last": 3}

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from conftest import ROOT, ROOT_CALLER
-from gateway import metrics
-from gateway.fuse_ops import CkptOperations
+from ckptfs.gateway import metrics
+from ckptfs.gateway.fuse_ops import CkptOperations
 
 
 class Ctx:

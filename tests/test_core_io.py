@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from conftest import ROOT, ROOT_CALLER, fsmeta_problems
-from fsmeta import FileState
-from gateway.core import FsCore, SetattrRequest
-from gateway.errors import FsError
+from ckptfs.fsmeta import FileState
+from ckptfs.gateway.core import FsCore, SetattrRequest
+from ckptfs.gateway.errors import FsError
 
 GiB = 1 << 30
 
@@ -270,7 +270,7 @@ def test_new_file_never_shows_a_stale_cache_file_of_its_inode_number(core):
     """After a power cut loses the commit that handed out an inode number, the next file
     gets that number again while its old cache file may survive: it must read empty."""
     with core.meta.read() as txn:
-        from fsmeta import schema
+        from ckptfs.fsmeta import schema
         next_ino = schema.unpack_u64(txn.raw.get(b"next_ino", db=txn.dbs["meta"]))
     with open(core._data_path(next_ino), "wb") as stale:
         stale.write(b"leftover bytes of a lost file")

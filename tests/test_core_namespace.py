@@ -9,14 +9,14 @@ import stat
 import pytest
 
 from conftest import ROOT, ROOT_CALLER, CoreEnv, fsmeta_problems
-from gateway.core import (
+from ckptfs.gateway.core import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     Caller,
     FsCore,
     SetattrRequest,
 )
-from gateway.errors import FsError
+from ckptfs.gateway.errors import FsError
 
 USER = Caller(uid=1000, gid=1000, umask=0o022)
 

@@ -6,8 +6,8 @@ import errno
 import os
 
 from conftest import ROOT, ROOT_CALLER
-from gateway.core import XATTR_CREATE, XATTR_REPLACE
-from gateway.errors import FsError
+from ckptfs.gateway.core import XATTR_CREATE, XATTR_REPLACE
+from ckptfs.gateway.errors import FsError
 
 
 def err(fn, *args) -> int | None:

@@ -209,7 +209,7 @@ def test_unlinked_open_file_is_purged_after_a_crash(gateway):
     assert os.listdir(m) == ["keep"]
     assert not data_file.exists()
     gateway.stop()
-    from fsmeta import MetaStore
+    from ckptfs.fsmeta import MetaStore
 
     meta = MetaStore(str(gateway.cache / "meta"), create=False)
     try:

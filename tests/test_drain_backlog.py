@@ -1,15 +1,15 @@
-"""gateway.durability.backlog_under: what wait-durable and status count as not durable yet."""
+"""fsmeta.durability.pending_under: what wait-durable and status count as not durable yet."""
 
 from __future__ import annotations
 
-from gateway.durability import backlog_under
+from ckptfs.fsmeta.durability import pending_under
 
 from test_drain_support import denv  # noqa: F401
 
 
 def backlog(env, rel: str):
     with env.meta.read() as txn:
-        return backlog_under(txn, rel)
+        return pending_under(txn, rel)
 
 
 def test_backlog_counts_files_bytes_and_deletes_under_a_path(denv):

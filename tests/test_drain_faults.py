@@ -12,10 +12,10 @@ import blake3
 import pytest
 import trio
 
-import drain.upload
-import drain.worker
-from drain.store import StoreError
-from fsmeta import UploadPhase
+from ckptfs.drain import upload
+from ckptfs.drain import worker
+from ckptfs.drain.store import StoreError
+from ckptfs.fsmeta import UploadPhase
 
 from test_drain_support import REPO_ROOT, Crash, MiB, RecStore, denv, leaves, wait_for  # noqa: F401
 
@@ -29,8 +29,8 @@ def assert_object(env, key: str, data: bytes) -> None:
 @pytest.fixture
 def fast_retries(monkeypatch):
     """Backoff of retryable errors in milliseconds, permanent errors retried after 0.3 s."""
-    monkeypatch.setattr(drain.upload, "backoff_delay", lambda attempt, *a, **k: 0.01)
-    monkeypatch.setattr(drain.worker, "PERMANENT_RETRY_SECONDS", 0.3)
+    monkeypatch.setattr(upload, "backoff_delay", lambda attempt, *a, **k: 0.01)
+    monkeypatch.setattr(worker, "PERMANENT_RETRY_SECONDS", 0.3)
 
 
 # -- the file changes while it is being uploaded ----------------------------------------------
@@ -121,14 +121,14 @@ def test_killed_drain_process_resumes(denv, tmp_path):
     denv.meta.sync()
     script = (
         "import sys, time, trio\n"
-        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
-        "from drain import filestore, main\n"
+        "from ckptfs.cli import main\n"
+        "from ckptfs.drain import filestore\n"
         "orig = filestore.FileStore.upload_part\n"
         "async def slow(self, key, upload_id, number, *a, **kw):\n"
         "    await trio.sleep(0.2 if number <= 2 else 60)  # parts 3+ are in flight when killed\n"
         "    return await orig(self, key, upload_id, number, *a, **kw)\n"
         "filestore.FileStore.upload_part = slow\n"
-        f"sys.exit(main.main(['--cache-dir', {str(denv.cache)!r}, '--until-empty']))\n"
+        f"sys.exit(main(['drain', '--cache-dir', {str(denv.cache)!r}, '--until-empty']))\n"
     )
     denv.meta.put_settings({**denv.settings.to_json(), "concurrency": 2, "part_size": 5 * MiB})
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -14,7 +14,7 @@ import blake3
 import pytest
 import trio
 
-from gateway.core import RENAME_EXCHANGE
+from ckptfs.gateway.core import RENAME_EXCHANGE
 
 from test_drain_support import MiB, RecStore, USER, denv  # noqa: F401
 
@@ -71,7 +71,7 @@ def test_rewrite_of_a_durable_file_uploads_the_new_content(denv):
 
 
 def test_chmod_chown_of_a_durable_file_updates_metadata_without_upload(denv):
-    from gateway.core import SetattrRequest
+    from ckptfs.gateway.core import SetattrRequest
 
     denv.write_file("f", b"x" * 100)
     denv.drain()
@@ -369,7 +369,7 @@ def test_symlink_is_stored_as_an_object_holding_its_target(denv):
 
 
 def test_truncate_of_a_durable_file_uploads_the_short_content(denv):
-    from gateway.core import SetattrRequest
+    from ckptfs.gateway.core import SetattrRequest
 
     data = os.urandom(4000)
     denv.write_file("f", data)

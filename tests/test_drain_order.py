@@ -6,7 +6,8 @@ import os
 
 import trio
 
-from fsmeta import locks
+from ckptfs.fsmeta import durability, locks
+from ckptfs.fsmeta.layout import CacheDir
 
 from test_drain_support import MiB, RecStore, denv, wait_for  # noqa: F401
 
@@ -108,7 +109,7 @@ def test_deleting_a_checkpoint_removes_its_marker_first(denv):
 
 
 def test_open_writer_holds_a_file_back_until_release(denv):
-    lock_fd = locks.acquire(str(denv.cache), locks.GATEWAY_LOCK)  # a live gateway: writers count
+    lock_fd = locks.acquire(CacheDir(denv.cache).gateway_lock)  # a live gateway: writers count
     try:
         fh, ino = denv.create("open.bin")
         denv.core.write(fh, 0, b"partial")
@@ -137,12 +138,12 @@ def test_open_writer_holds_a_file_back_until_release(denv):
 
 
 def test_fsync_remote_urgent_flag_lets_an_open_file_through(denv):
-    lock_fd = locks.acquire(str(denv.cache), locks.GATEWAY_LOCK)
+    lock_fd = locks.acquire(CacheDir(denv.cache).gateway_lock)
     try:
         fh, ino = denv.create("urgent.bin")
         denv.core.write(fh, 0, b"fsynced bytes")
         denv.core.fsync(fh, False)
-        denv.meta.write(lambda txn: txn.request_urgent(ino))  # what fsync=remote does
+        denv.meta.write(lambda txn: durability.request_urgent(txn, ino))  # what fsync=remote does
 
         async def main():
             async with denv.store() as inner:

@@ -1,6 +1,6 @@
 """Drain order: oldest settled first, writers and the settle window respected, markers last."""
 
-from drain.schedule import Candidate, eligible, order_tombstones
+from ckptfs.drain.schedule import Candidate, eligible, order_tombstones
 
 MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
 S = 1_000_000_000

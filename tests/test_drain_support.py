@@ -18,12 +18,12 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fsmeta import MetaStore, ROOT_INO  # noqa: E402
-from gateway.config import Settings  # noqa: E402
-from gateway.core import Caller, FsCore  # noqa: E402
+from ckptfs.fsmeta import MetaStore, ROOT_INO  # noqa: E402
+from ckptfs.fsmeta.settings import Settings  # noqa: E402
+from ckptfs.gateway.core import Caller, FsCore  # noqa: E402
 
-from drain.store import open_store  # noqa: E402
-from drain.worker import Drain  # noqa: E402
+from ckptfs.drain.factory import open_store  # noqa: E402
+from ckptfs.drain.worker import Drain  # noqa: E402
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -331,9 +331,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def denv(tmp_path, monkeypatch):
-    import drain.worker
+    from ckptfs.drain import worker
 
-    monkeypatch.setattr(drain.worker, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(worker, "POLL_SECONDS", 0.01)
     env = DrainEnv(tmp_path)
     yield env
     env.close()

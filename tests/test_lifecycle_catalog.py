@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from lifecycle.catalog import MTIME_TAG, ListedObject, build_catalog
-from lifecycle.patterns import compile_step_pattern, match_step
-from lifecycle.rules import LifecycleRules
+from ckptfs.lifecycle.catalog import MTIME_TAG, ListedObject, build_catalog
+from ckptfs.lifecycle.patterns import compile_step_pattern, match_step
+from ckptfs.lifecycle.rules import LifecycleRules
 
 NOW = datetime(2025, 6, 1, tzinfo=timezone.utc)
 RULES = LifecycleRules(checkpoints=("step_{step}", "ckpt-{step}.pt", "*-{step}"), markers=(".metadata", "*COMPLETE*"))

@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from conftest import REPO, ckptfs_cmd  # noqa: E402
-from drain.store import open_store  # noqa: E402
-from lifecycle.cli import UsageError, parse_duration, parse_now  # noqa: E402
+from ckptfs.drain.factory import open_store  # noqa: E402
+from ckptfs.cli.lifecycle import UsageError, parse_duration, parse_now  # noqa: E402
 
 from test_lifecycle_executor import make_checkpoints, run  # noqa: E402
 

@@ -15,9 +15,10 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from drain.store import NotSupportedError, StoreError, open_store  # noqa: E402
-from lifecycle.catalog import MTIME_TAG  # noqa: E402
-from lifecycle.executor import (  # noqa: E402
+from ckptfs.drain.store import NotSupportedError, StoreError  # noqa: E402
+from ckptfs.drain.factory import open_store
+from ckptfs.lifecycle.catalog import MTIME_TAG  # noqa: E402
+from ckptfs.lifecycle.executor import (  # noqa: E402
     TIER_TAG,
     desired_bucket_rules,
     execute,
@@ -30,9 +31,9 @@ from lifecycle.executor import (  # noqa: E402
     run_once,
     sync_bucket_lifecycle,
 )
-from lifecycle.pins import PIN_PREFIX, add_pin, is_reserved_key, pin_key, read_pins, remove_pin  # noqa: E402
-from lifecycle.planner import DELETE, KEEP, TRANSITION  # noqa: E402
-from lifecycle.rules import LifecycleRules, Tier  # noqa: E402
+from ckptfs.lifecycle.pins import PIN_PREFIX, add_pin, is_reserved_key, pin_key, read_pins, remove_pin  # noqa: E402
+from ckptfs.lifecycle.planner import DELETE, KEEP, TRANSITION  # noqa: E402
+from ckptfs.lifecycle.rules import LifecycleRules, Tier  # noqa: E402
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0)
 DAY = 86400
@@ -424,7 +425,7 @@ def test_reserved_keys():
 
 
 def test_pending_keys_of_a_local_cache_are_not_touched(tmp_path):
-    from fsmeta import MetaStore
+    from ckptfs.fsmeta import MetaStore
     from test_drain_support import DrainEnv
 
     env = DrainEnv(tmp_path)
@@ -485,7 +486,7 @@ def test_key_mapper_between_cache_and_store_prefixes():
 
 
 def test_cache_of_another_bucket_is_refused(tmp_path):
-    from lifecycle.executor import CacheMismatch
+    from ckptfs.lifecycle.executor import CacheMismatch
     from test_drain_support import DrainEnv
 
     env = DrainEnv(tmp_path)

@@ -11,8 +11,8 @@ from fnmatch import fnmatchcase
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifecycle.catalog import ListedObject
-from lifecycle.planner import (
+from ckptfs.lifecycle.catalog import ListedObject
+from ckptfs.lifecycle.planner import (
     DELETE,
     KEEP,
     TRANSITION,
@@ -20,9 +20,9 @@ from lifecycle.planner import (
     apply_plan,
     plan,
 )
-from lifecycle.render import plan_to_json, render_table, summary_to_json
-from lifecycle.rules import LifecycleRules, Tier
-from lifecycle.storage_classes import ARCHIVE_CLASSES, COLDNESS
+from ckptfs.lifecycle.render import plan_to_json, render_table, summary_to_json
+from ckptfs.lifecycle.rules import LifecycleRules, Tier
+from ckptfs.lifecycle.storage_classes import ARCHIVE_CLASSES, COLDNESS
 
 NOW = datetime(2025, 6, 1, 12, 0, tzinfo=timezone.utc)
 DIR_PATTERN = "step_{step}"

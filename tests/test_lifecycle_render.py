@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from lifecycle.catalog import ListedObject
-from lifecycle.planner import plan
-from lifecycle.render import (
+from ckptfs.lifecycle.catalog import ListedObject
+from ckptfs.lifecycle.planner import plan
+from ckptfs.lifecycle.render import (
     elide_middle,
     elide_path,
     format_age,
@@ -19,7 +19,7 @@ from lifecycle.render import (
     render_table,
     summary_to_json,
 )
-from lifecycle.rules import LifecycleRules, Tier
+from ckptfs.lifecycle.rules import LifecycleRules, Tier
 
 NOW = datetime(2025, 6, 1, tzinfo=timezone.utc)
 GIB = 1 << 30

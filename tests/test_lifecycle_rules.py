@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lifecycle.rules import (
+from ckptfs.lifecycle.rules import (
     LifecycleConfigError,
     LifecycleRules,
     Tier,

@@ -131,7 +131,7 @@ def test_fsync_puts_data_and_size_on_the_cache_device(mnt, shared_gateway):
     os.fsync(fd)
     # Without closing: the cache file holds the bytes and fsmeta the size.
     assert cache_file(shared_gateway, p).read_bytes() == payload
-    from fsmeta import MetaStore
+    from ckptfs.fsmeta import MetaStore
 
     meta = MetaStore(str(shared_gateway.cache / "meta"), create=False)
     try:
@@ -280,7 +280,7 @@ def test_unlink_of_an_open_file(mnt, shared_gateway):
 
 
 def test_unlinked_file_is_purged_once_closed_and_forgotten(mnt, shared_gateway):
-    from fsmeta import MetaStore
+    from ckptfs.fsmeta import MetaStore
 
     p = mnt / "gone"
     p.write_bytes(b"x" * 100000)

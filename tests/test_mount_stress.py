@@ -118,7 +118,7 @@ def test_hostile_concurrent_workload_leaves_mount_alive_and_consistent(gateway):
 
 
 def test_unexpected_handler_exception_is_eio_logged_counted_and_survived(gateway):
-    from fsmeta import MetaStore, schema
+    from ckptfs.fsmeta import MetaStore, schema
 
     gateway.expect_unexpected = True  # the log lines are the point of this test
     p = gateway.mnt / "victim"

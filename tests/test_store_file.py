@@ -10,16 +10,10 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from drain.filestore import MULTIPART_DIR, XATTR_NAME, FileStore  # noqa: E402
-from drain.store import (  # noqa: E402
-    NoSuchUploadError,
-    NotSupportedError,
-    PartRecord,
-    PreconditionFailedError,
-    StoreError,
-    open_store,
-    parse_store_url,
-)
+from ckptfs.drain.filestore import MULTIPART_DIR, XATTR_NAME, FileStore  # noqa: E402
+from ckptfs.drain.store import NoSuchUploadError, NotSupportedError, PartRecord, PreconditionFailedError, StoreError
+from ckptfs.drain.factory import open_store
+from ckptfs.fsmeta.settings import parse_store_url
 
 
 @pytest.fixture(params=["xattr", "sidecar"])
@@ -101,7 +95,7 @@ def test_atomic_put_leaves_no_partial_object(store, tmp_path, monkeypatch):
         await store.put_object("k", b"old", {"v": "1"})
         src = tmp_path / "src.bin"
         src.write_bytes(b"x" * (9 << 20))
-        import drain.filestore as fsmod
+        from ckptfs.drain import filestore as fsmod
 
         real = fsmod.FileStore._publish
 

@@ -15,9 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _moto import FAKE_ENV, MotoServer, fake_aws_env, free_port, shared_server  # noqa: E402
 
-from drain import localio  # noqa: E402
-from drain.s3store import S3Store  # noqa: E402
-from drain.store import MiB, NoSuchUploadError, PreconditionFailedError, StoreError, open_store  # noqa: E402
+from ckptfs.drain import localio  # noqa: E402
+from ckptfs.drain.s3store import S3Store  # noqa: E402
+from ckptfs.drain.store import MiB, NoSuchUploadError, PreconditionFailedError, StoreError  # noqa: E402
+from ckptfs.drain.factory import open_store
 
 BUCKET = "ckptfs-test"
 

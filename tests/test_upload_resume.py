@@ -15,9 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _moto import fake_aws_env, shared_server  # noqa: E402
 
-from drain import localio  # noqa: E402
-from drain.store import MiB, open_store  # noqa: E402
-from drain.upload import UploadAborted, UploadRecord, upload_bytes, upload_file  # noqa: E402
+from ckptfs.drain import localio  # noqa: E402
+from ckptfs.drain.store import MiB  # noqa: E402
+from ckptfs.drain.factory import open_store
+from ckptfs.drain.upload import UploadAborted, UploadRecord, upload_bytes, upload_file  # noqa: E402
 
 BUCKET = "ckptfs-upload"
 

@@ -10,8 +10,9 @@ import random
 import pytest
 import trio
 
-from drain.store import StoreError, UploadInfo, is_retryable, make_error, open_store
-from drain.upload import (
+from ckptfs.drain.store import StoreError, UploadInfo, is_retryable, make_error
+from ckptfs.drain.factory import open_store
+from ckptfs.drain.upload import (
     RetryState,
     plan_parts,
     UploadAborted,

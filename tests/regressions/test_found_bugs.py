@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from conftest import ROOT, ROOT_CALLER, CoreEnv, in_mount_table, needs_fuse
-from gateway.core import SetattrRequest
-from gateway.errors import FsError
-from gateway.fuse_ops import CkptOperations
+from ckptfs.gateway.core import SetattrRequest
+from ckptfs.gateway.errors import FsError
+from ckptfs.gateway.fuse_ops import CkptOperations
 
 
 def test_directory_rename_to_a_key_of_exactly_1024_bytes(tmp_path):
@@ -69,7 +69,7 @@ def test_dead_mount_is_detected_while_stat_is_still_cached(gateway_factory):
     the kernel answers stat of the mount root from its attribute cache for up to a second
     after the daemon died: a gateway restarted at once by its supervisor then refused with
     "something is already mounted there". statfs always reaches the (dead) connection."""
-    from gateway.mount import clear_dead_mount
+    from ckptfs.gateway.mount import clear_dead_mount
 
     gw = gateway_factory()
     os.stat(gw.mnt)  # the root's attributes are now cached

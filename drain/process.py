@@ -1,6 +1,6 @@
-"""The drain process: ``python -m drain.main --cache-dir DIR [--until-empty] [--supervised]``.
+"""The drain process: what ``ckptfs drain --cache-dir DIR [--until-empty]`` runs.
 
-Also what ``ckptfs drain`` runs. The cache directory remembers its bucket URL
+A mount starts it as ``python -m ckptfs drain --cache-dir DIR --supervised``. The cache directory remembers its bucket URL
 and settings (fsmeta ``settings``); credentials come from the AWS chain.
 
 One drain per cache directory (``drain.lock``). A supervised drain started by
@@ -10,7 +10,6 @@ finishes first; a drain whose gateway is gone exits once the queue is empty.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import os
@@ -19,7 +18,13 @@ import sys
 
 import trio
 
-from fsmeta import MetaStore, locks
+from ckptfs.fsmeta import MetaStore, locks
+from ckptfs.fsmeta.layout import CacheDir, NoCacheHere
+from ckptfs.fsmeta.settings import Settings
+
+from .factory import open_store_for
+from .store import StoreError, exception_leaves
+from .worker import Drain
 
 log = logging.getLogger("ckptfs.drain")
 
@@ -28,12 +33,11 @@ class DrainSetupError(Exception):
     pass
 
 
-def load_settings(cache_dir: str):
-    from gateway.config import Settings
-
-    if not os.path.exists(os.path.join(cache_dir, "meta", "data.mdb")):
-        raise DrainSetupError(f"cache directory {cache_dir}: no ckptfs cache here (never mounted?)")
-    meta = MetaStore(os.path.join(cache_dir, "meta"), create=False)
+def load_settings(cache_dir: str) -> tuple[MetaStore, Settings]:
+    try:
+        meta = CacheDir(cache_dir).open_meta()
+    except NoCacheHere as exc:
+        raise DrainSetupError(str(exc)) from None
     stored = meta.get_settings()
     if not stored or not stored.get("bucket_url"):
         meta.close()
@@ -41,22 +45,7 @@ def load_settings(cache_dir: str):
     return meta, Settings.from_json(stored)
 
 
-def open_store_for(settings):
-    from .store import open_store
-
-    return open_store(
-        settings.bucket_url,
-        endpoint_url=settings.endpoint_url,
-        region=settings.region,
-        checksum=settings.checksum,
-        sign_payload=bool(getattr(settings, "sign_payload", False)),
-        max_pool_connections=max(16, int(settings.concurrency) * 2),
-    )
-
-
 async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, supervised: bool) -> None:
-    from .worker import Drain
-
     stop = trio.Event()
     gateway_pid = os.getppid() if supervised else None
 
@@ -89,7 +78,7 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
 def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) -> int:
     cache_dir = os.path.abspath(cache_dir)
     try:
-        lock_fd = locks.acquire(cache_dir, locks.DRAIN_LOCK, wait=supervised)
+        lock_fd = locks.acquire(CacheDir(cache_dir).drain_lock, wait=supervised)
     except locks.LockHeld as exc:
         print(f"ckptfs: cache directory {cache_dir}: a drain is already running (pid {exc.holder})",
               file=sys.stderr)
@@ -105,8 +94,6 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
     try:
         trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
     except Exception as exc:
-        from .store import StoreError, exception_leaves
-
         # Raised inside _run's nursery, a StoreError arrives wrapped in an ExceptionGroup.
         leaves = exception_leaves(exc)
         if leaves and all(isinstance(leaf, StoreError) for leaf in leaves):
@@ -117,20 +104,3 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
         meta.close()
         os.close(lock_fd)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckptfs-drain")
-    parser.add_argument("--cache-dir", required=True)
-    parser.add_argument("--until-empty", action="store_true")
-    parser.add_argument("--supervised", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s ckptfs-drain[%(process)d] %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("botocore").setLevel(logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    return run(args.cache_dir, until_empty=args.until_empty, supervised=args.supervised)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

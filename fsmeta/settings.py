@@ -1,7 +1,9 @@
 """Settings: TOML file, overridden by command-line flags, validated with messages that name the setting.
 
-A cache directory remembers the settings it was mounted with (in fsmeta), so
-``ckptfs drain --cache-dir DIR`` needs nothing else.
+A cache directory remembers the settings it was mounted with (fsmeta ``meta/settings``),
+so ``ckptfs drain --cache-dir DIR`` needs nothing else. Settings live in fsmeta, the
+bottom layer, because every process reads them back from there; the bucket-URL and
+address parsers are here for the same reason.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import os
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse, urlsplit
 
 DEFAULT_MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
 MIB = 1 << 20
 GIB = 1 << 30
 
 
+# Per-part checksum modes of the drain (``auto``: crc32c when the hardware has it, else crc32).
 CHECKSUMS = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
 
 
@@ -41,6 +44,72 @@ def parse_size(name: str, value) -> int:
     raise ConfigError(f"{name}: expected a size such as 64MiB or a byte count, got {value!r}")
 
 
+# -- bucket URLs ------------------------------------------------------------------------
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
+
+
+@dataclass(frozen=True)
+class StoreURL:
+    scheme: str  #: "s3" or "file"
+    bucket: str | None  #: s3 only
+    prefix: str  #: s3: "" or "a/b/" (always ends with "/"); file: ""
+    path: str | None  #: file only: absolute directory
+
+    def __str__(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.prefix}"
+        return f"file://{self.path}"
+
+
+def parse_store_url(url: str) -> StoreURL:
+    """Parse ``s3://bucket[/prefix]`` or ``file:///abs/dir``.  Raises
+    ValueError with a clear message (never echoing credentials)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("bucket URL must be a non-empty string like s3://bucket/prefix or file:///abs/dir")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if "@" in parts.netloc:
+        raise ValueError(
+            "bucket URL must not contain credentials (user:password@); use the standard "
+            "AWS credential chain (env vars, profile, IRSA)"
+        )
+    if scheme == "s3":
+        if parts.query or parts.fragment:
+            raise ValueError(f"bucket URL {url!r} must not have a query string or fragment")
+        bucket = parts.netloc
+        if not bucket:
+            raise ValueError(f"bucket URL {url!r} has no bucket name; expected s3://bucket[/prefix]")
+        if ":" in bucket:
+            raise ValueError(
+                f"bucket URL {url!r}: put the endpoint in endpoint_url, not in the URL (expected s3://bucket[/prefix])"
+            )
+        if not _BUCKET_RE.match(bucket) or ".." in bucket:
+            raise ValueError(f"bucket URL {url!r}: {bucket!r} is not a valid bucket name (3-255 chars of [A-Za-z0-9._-])")
+        prefix = unquote(parts.path).strip("/")
+        if prefix:
+            comps = prefix.split("/")
+            if any(c in ("", ".", "..") for c in comps):
+                raise ValueError(f"bucket URL {url!r}: prefix {prefix!r} has empty, '.' or '..' components")
+            prefix += "/"
+        return StoreURL("s3", bucket, prefix, None)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL {url!r} must be file:///absolute/dir (got host {parts.netloc!r})")
+        if parts.query or parts.fragment:
+            raise ValueError(f"file URL {url!r} must not have a query string or fragment")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise ValueError(f"file URL {url!r} must contain an absolute path: file:///abs/dir")
+        norm = os.path.normpath(path)
+        if norm == "/":
+            raise ValueError("file URL must not point at the filesystem root")
+        return StoreURL("file", None, "", norm)
+    if not scheme:
+        raise ValueError(f"bucket URL {url!r} has no scheme; expected s3://bucket[/prefix] or file:///abs/dir")
+    raise ValueError(f"unsupported bucket URL scheme {scheme!r} in {url!r}; expected s3://bucket[/prefix] or file:///abs/dir")
+
+
 def parse_bucket_url(url: str) -> tuple[str, str, str]:
     """``s3://bucket[/prefix]`` or ``file:///abs/dir`` -> (scheme, bucket or dir, prefix).
 
@@ -48,8 +117,6 @@ def parse_bucket_url(url: str) -> tuple[str, str, str]:
     AWS bucket naming (lower case, 3-63 characters), which S3-compatible servers
     may relax but a training cluster moving between them should not depend on.
     """
-    from drain.store import parse_store_url
-
     try:
         parsed = parse_store_url(url)
     except ValueError as exc:
@@ -61,6 +128,13 @@ def parse_bucket_url(url: str) -> tuple[str, str, str]:
     return "s3", parsed.bucket, parsed.prefix.rstrip("/")
 
 
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"metrics_addr: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 @dataclass
 class Settings:
     bucket_url: str = ""
@@ -70,10 +144,6 @@ class Settings:
     fsync: str = "local"
     metrics_addr: str = "127.0.0.1:9810"
     allow_other: bool | None = None  # None: on when run as root
-    # cache
-    cache_max_size: str = "90%"
-    cache_high_watermark: float = 0.9
-    backpressure_timeout: float = 600.0
     # drain
     settle_seconds: float = 1.0
     part_size: int = 64 * MIB
@@ -106,28 +176,12 @@ class Settings:
                 raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
         if self.fsync not in ("local", "remote"):
             raise ConfigError(f"fsync: must be 'local' or 'remote', got {self.fsync!r}")
-        from .metrics import parse_addr
-
         try:
             parse_addr(self.metrics_addr)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if not os.path.isabs(self.cache_dir):
             raise ConfigError(f"cache_dir: must be an absolute path, got {self.cache_dir!r}")
-        cap = str(self.cache_max_size)
-        if cap.endswith("%"):
-            try:
-                pct = float(cap[:-1])
-            except ValueError:
-                pct = -1
-            if not 1 <= pct <= 100:
-                raise ConfigError(f"cache.max_size: percent must be 1%..100%, got {cap!r}")
-        else:
-            parse_size("cache.max_size", self.cache_max_size)
-        if not 0.1 <= float(self.cache_high_watermark) <= 1.0:
-            raise ConfigError(f"cache.high_watermark: must be between 0.1 and 1.0, got {self.cache_high_watermark!r}")
-        if float(self.backpressure_timeout) <= 0:
-            raise ConfigError(f"cache.backpressure_timeout: must be > 0 seconds, got {self.backpressure_timeout!r}")
         if not 0 <= float(self.settle_seconds) <= 3600:
             raise ConfigError(f"drain.settle_seconds: must be 0..3600, got {self.settle_seconds!r}")
         if not 5 * MIB <= int(self.part_size) <= 5 * GIB:
@@ -153,9 +207,6 @@ _TOML_KEYS = {
     },
     "cache": {
         "dir": "cache_dir",
-        "max_size": "cache_max_size",
-        "high_watermark": "cache_high_watermark",
-        "backpressure_timeout": "backpressure_timeout",
     },
     "drain": {
         "settle_seconds": "settle_seconds",
@@ -169,8 +220,7 @@ _TOML_KEYS = {
 
 _TYPES = {
     "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
-    "allow_other": bool, "cache_dir": str, "cache_max_size": (str, int), "cache_high_watermark": (int, float),
-    "backpressure_timeout": (int, float), "settle_seconds": (int, float), "part_size": (str, int),
+    "allow_other": bool, "cache_dir": str, "settle_seconds": (int, float), "part_size": (str, int),
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
 }
 

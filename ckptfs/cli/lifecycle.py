@@ -1,4 +1,4 @@
-"""``ckptfs lifecycle plan|apply`` and ``ckptfs promote`` (registered by gateway/cli.py).
+"""``ckptfs lifecycle plan|apply`` and ``ckptfs promote``.
 
 ::
 
@@ -23,6 +23,33 @@ import signal
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+
+import trio
+
+from ckptfs.drain.factory import open_store
+from ckptfs.drain.store import StoreError
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import (
+    ConfigError,
+    Settings,
+    build_settings,
+    parse_store_url,
+)
+from ckptfs.gateway.mount import NotOnMount, find_mount
+from ckptfs.lifecycle.executor import CacheMismatch, read_local_pending, run_once
+from ckptfs.lifecycle.pins import (
+    PinError,
+    add_pin,
+    normalize_pin_path,
+    pin_key,
+    remove_pin,
+)
+from ckptfs.lifecycle.render import plan_to_json, render_table
+from ckptfs.lifecycle.rules import (
+    LifecycleConfigError,
+    rules_from_table,
+    validate_rules,
+)
 
 log = logging.getLogger("ckptfs.lifecycle")
 
@@ -94,8 +121,6 @@ class Context:
     cache_dir: str | None  # consulted for pending keys
 
     def open_store(self):
-        from drain.store import open_store
-
         return open_store(
             self.bucket_url,
             endpoint_url=self.endpoint_url,
@@ -108,15 +133,12 @@ class Context:
     def pending_source(self):
         if self.cache_dir is None:
             return None
-        from .executor import read_local_pending
 
         cache_dir, url = self.cache_dir, self.bucket_url
         return lambda: read_local_pending(cache_dir, url)
 
 
 def _settings(config: str | None, overrides: dict):
-    from gateway.config import ConfigError, build_settings
-
     try:
         return build_settings(config, overrides)
     except ConfigError as exc:
@@ -124,13 +146,7 @@ def _settings(config: str | None, overrides: dict):
         raise UsageError(f"{where}{exc}") from None
 
 
-def _is_cache(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "meta", "data.mdb"))
-
-
 def load_context(args: argparse.Namespace) -> Context:
-    from .rules import LifecycleConfigError, rules_from_table, validate_rules
-
     explicit_cache = getattr(args, "cache_dir", None)
     settings = _settings(
         args.config,
@@ -140,7 +156,6 @@ def load_context(args: argparse.Namespace) -> Context:
     if not settings.bucket_url:
         raise UsageError("bucket_url: not set; give BUCKET_URL or set bucket_url in the --config file")
     try:
-        from drain.store import parse_store_url
 
         parse_store_url(settings.bucket_url)
     except ValueError as exc:
@@ -155,13 +170,12 @@ def load_context(args: argparse.Namespace) -> Context:
 
     cache_dir: str | None = None
     if explicit_cache:
-        if not _is_cache(settings.cache_dir):
+        if not CacheDir(settings.cache_dir).has_meta():
             raise UsageError(f"--cache-dir: {settings.cache_dir} is not a ckptfs cache directory (no meta/data.mdb)")
         cache_dir = settings.cache_dir
-    elif _is_cache(settings.cache_dir):
+    elif CacheDir(settings.cache_dir).has_meta():
         cache_dir = settings.cache_dir
     if cache_dir is not None:
-        from .executor import CacheMismatch, read_local_pending
 
         try:
             pending = read_local_pending(cache_dir, settings.bucket_url)
@@ -191,8 +205,6 @@ def load_context(args: argparse.Namespace) -> Context:
 
 
 def _entries_json(inputs, report, include_keys: bool) -> list[dict]:
-    from .render import plan_to_json
-
     out = plan_to_json(inputs.plan, include_keys=include_keys)
     if report is not None:
         for item in out:
@@ -202,8 +214,6 @@ def _entries_json(inputs, report, include_keys: bool) -> list[dict]:
 
 
 def _print_run(args, inputs, report, *, compact: bool = False) -> None:
-    from .render import render_table
-
     if args.json:
         data = _entries_json(inputs, report, args.keys)
         print(json.dumps(data, separators=(",", ":")) if compact else json.dumps(data, indent=2))
@@ -241,7 +251,6 @@ def cmd_lifecycle(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"ckptfs: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    import trio
 
     try:
         return trio.run(_lifecycle_main, args, ctx, apply, every)
@@ -250,12 +259,6 @@ def cmd_lifecycle(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 async def _lifecycle_main(args, ctx: Context, apply: bool, every: float | None) -> int:
-    import trio
-
-    from drain.store import StoreError
-
-    from .executor import run_once
-
     stopping = trio.Event()
     status = EXIT_OK
 
@@ -332,7 +335,6 @@ class PinTarget:
 
 def _url_relative(url: str, store_url: str) -> str | None:
     """``url`` relative to ``store_url``, or None if it is not inside it."""
-    from drain.store import parse_store_url
 
     u, s = parse_store_url(url), parse_store_url(store_url)
     if u.scheme != s.scheme:
@@ -349,8 +351,6 @@ def _url_relative(url: str, store_url: str) -> str | None:
 
 
 def resolve_pin_target(args: argparse.Namespace) -> PinTarget:
-    from gateway.config import Settings
-
     path = args.path
     config_settings = None
     if args.config or args.bucket:
@@ -375,7 +375,6 @@ def resolve_pin_target(args: argparse.Namespace) -> PinTarget:
         return from_settings(config_settings, rel)
 
     if not args.bucket:
-        from gateway.durability import NotOnMount, find_mount
 
         try:
             _, cache_dir, rel = find_mount(path)
@@ -383,9 +382,7 @@ def resolve_pin_target(args: argparse.Namespace) -> PinTarget:
             if config_settings is None or not config_settings.bucket_url:
                 raise UsageError(f"{exc}; pass a bucket path with --bucket s3://bucket/prefix or --config") from None
         else:
-            from fsmeta import MetaStore
-
-            meta = MetaStore(os.path.join(cache_dir, "meta"), create=False)
+            meta = CacheDir(cache_dir).open_meta()
             try:
                 stored = meta.get_settings() or {}
             finally:
@@ -399,10 +396,6 @@ def resolve_pin_target(args: argparse.Namespace) -> PinTarget:
 
 
 def cmd_promote(args: argparse.Namespace, argv: list[str]) -> int:
-    from drain.store import StoreError, open_store
-
-    from .pins import PinError, normalize_pin_path, pin_key
-
     _quiet_http_logs()
     try:
         target = resolve_pin_target(args)
@@ -412,8 +405,6 @@ def cmd_promote(args: argparse.Namespace, argv: list[str]) -> int:
         return EXIT_USAGE
 
     async def work() -> int:
-        from .pins import add_pin, remove_pin
-
         store = open_store(target.ctx_bucket_url, endpoint_url=target.endpoint_url, region=target.region,
                            checksum=target.checksum, sign_payload=target.sign_payload)
         async with store:
@@ -434,7 +425,6 @@ def cmd_promote(args: argparse.Namespace, argv: list[str]) -> int:
                       file=sys.stderr)
             return EXIT_OK
 
-    import trio
 
     try:
         return trio.run(work)

@@ -1,0 +1,298 @@
+"""The durability state machine of a file, and the questions asked of it.
+
+Every change of a file's :class:`~ckptfs.fsmeta.records.FileState` is one of the named
+transitions below, each run inside the caller's write transaction; the gateway and the
+drain both call them, and nothing else assigns ``Inode.state``::
+
+     create/write/truncate                     drain starts the upload      multipart complete,
+  (new) ──mark_dirty──> DIRTY ────────────────mark_uploading────> UPLOADING ──mark_durable──> DURABLE
+                          ^  ^                                      │ upload_superseded           │
+                          │  └──────────────────────────────────────┘ (generation moved)          │
+                          └──── mark_dirty / mark_needs_upload / mark_meta_changed ───────────────┘
+  REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
+  any state ──mark_error──> (same state, plus a visible permanent error until the next success)
+
+Alongside the state, an inode sits in the ``pending`` table whenever the bucket does
+not match it yet (new data, a new name, new metadata): that table is the drain's work
+queue, and "durable" means "not pending". ``generation`` moves before any byte changes,
+so an upload commits only if the generation it read is still current.
+
+The queries (:func:`state_label`, :func:`pending_under`, :func:`pending_keys`, ...) are
+the one place that derives "is this durable / what is still pending under this path"
+for ``user.ckptfs.state``, ``wait-durable``, ``status``, ``--fsync=remote`` and the
+lifecycle engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import schema
+from .records import FileState, Inode, PendingRecord, RemoteRecord
+from .txn import Txn
+
+# Why an inode is pending (PendingRecord.reason).
+DATA = "data"  # its content is not in the bucket
+RENAME = "rename"  # its content is, under another name (or a directory needs its marker)
+META = "meta"  # its object's metadata (mode, uid, gid, mtime) must follow
+
+
+def _queue(txn: Txn, ino: int, now_ns: int, reason: str) -> None:
+    """Put ``ino`` on the drain's queue (or refresh its settle time if already there)."""
+    rec = txn.get_pending(ino)
+    if rec is None:
+        rec = PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=reason)
+    else:
+        rec.changed_ns = now_ns
+        if reason == DATA:
+            rec.reason = reason
+    txn.put_pending(ino, rec)
+
+
+# -- transitions -------------------------------------------------------------------------
+
+
+def mark_dirty(txn: Txn, inode: Inode, now_ns: int) -> None:
+    """Its content is about to change (first write of an epoch, truncate): new generation,
+    DIRTY, queued. The caller stores ``inode`` afterwards."""
+    inode.generation += 1
+    inode.state = FileState.DIRTY
+    txn.clear_error(inode.ino)
+    _queue(txn, inode.ino, now_ns, DATA)
+
+
+def mark_created(txn: Txn, inode: Inode, now_ns: int) -> None:
+    """A new file or symlink (state DIRTY from birth): queue its first upload."""
+    inode.state = FileState.DIRTY
+    _queue(txn, inode.ino, now_ns, DATA)
+
+
+def mark_written(txn: Txn, ino: int, now_ns: int) -> None:
+    """Its size and mtime were persisted (flush, fsync, close): restart the settle window."""
+    _queue(txn, ino, now_ns, DATA)
+
+
+def mark_moved(txn: Txn, ino: int, now_ns: int) -> None:
+    """A new name (rename, link, unlink of another name) or a directory that needs its marker.
+
+    The content state is unchanged: the drain copies a durable object to its new key
+    instead of uploading it again.
+    """
+    _queue(txn, ino, now_ns, RENAME)
+
+
+def mark_meta_changed(txn: Txn, inode: Inode, now_ns: int) -> None:
+    """chmod, chown or utimes of a file: the object's metadata must follow."""
+    _queue(txn, inode.ino, now_ns, META)
+    if inode.state in (FileState.DURABLE, FileState.CACHED_CLEAN):
+        inode.state = FileState.DIRTY
+
+
+def request_urgent(txn: Txn, ino: int) -> None:
+    """``--fsync=remote``: the drain should not wait for the file to be closed."""
+    rec = txn.get_pending(ino)
+    if rec is not None:
+        rec.urgent = True
+        txn.put_pending(ino, rec)
+
+
+def mark_uploading(txn: Txn, ino: int, generation: int) -> None:
+    """The drain starts uploading ``generation`` (only if that is still the current one)."""
+    inode = txn.get_inode(ino)
+    if inode is not None and inode.generation == generation and inode.state == FileState.DIRTY:
+        inode.state = FileState.UPLOADING
+        txn.put_inode(inode)
+
+
+def upload_superseded(txn: Txn, inode: Inode) -> None:
+    """An upload finished, but the content moved on meanwhile: back to DIRTY (still queued)."""
+    if inode.state == FileState.UPLOADING:
+        inode.state = FileState.DIRTY
+        txn.put_inode(inode)
+
+
+def mark_durable(txn: Txn, inode: Inode, generation: int, record: RemoteRecord) -> None:
+    """The bucket holds ``generation`` at ``record.key``. Leaves the queue to the caller,
+    which clears it only if nothing else (a rename, new metadata) is waiting."""
+    txn.put_remote(inode.ino, record)
+    inode.durable_generation = generation
+    inode.state = FileState.DURABLE
+    txn.put_inode(inode)
+    txn.clear_error(inode.ino)
+
+
+def mark_needs_upload(txn: Txn, inode: Inode, now_ns: int) -> None:
+    """The bucket no longer has (or may no longer be used for) this content: upload it again."""
+    txn.delete_remote(inode.ino)
+    inode.durable_generation = 0
+    inode.state = FileState.DIRTY
+    txn.put_inode(inode)
+    _queue(txn, inode.ino, now_ns, DATA)
+
+
+def mark_settled(txn: Txn, ino: int) -> None:
+    """The bucket matches the inode: off the queue."""
+    txn.clear_pending(ino)
+
+
+def mark_error(txn: Txn, ino: int, code: str) -> None:
+    """A permanent upload error: shown in ``user.ckptfs.state`` and ``status``; the data stays
+    queued and is tried again later."""
+    if txn.get_inode(ino) is not None:
+        txn.set_error(ino, code)
+
+
+def mark_remote(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
+    """Known from the bucket, content not in the cache (the read path)."""
+    txn.put_remote(inode.ino, record)
+    inode.durable_generation = inode.generation
+    inode.state = FileState.REMOTE
+    txn.put_inode(inode)
+
+
+def mark_cached_clean(txn: Txn, inode: Inode) -> None:
+    """The whole content of a REMOTE file is now in the cache, equal to the bucket's."""
+    if inode.state == FileState.REMOTE:
+        inode.state = FileState.CACHED_CLEAN
+        txn.put_inode(inode)
+
+
+def mark_evicted(txn: Txn, inode: Inode) -> None:
+    """Its cache file was dropped to free space; the bucket still has it."""
+    if inode.state in (FileState.CACHED_CLEAN, FileState.DURABLE) and txn.get_pending(inode.ino) is None:
+        inode.state = FileState.REMOTE
+        txn.put_inode(inode)
+
+
+# -- queries -----------------------------------------------------------------------------
+
+
+def is_durable(txn: Txn, ino: int) -> bool:
+    """The bucket matches this inode (and, for a directory, everything below it)."""
+    if txn.get_pending(ino) is not None:
+        return False
+    return all(txn.get_pending(child) is None for _, child in txn.iter_subtree(ino))
+
+
+def state_label(txn: Txn, inode: Inode) -> str:
+    """What ``user.ckptfs.state`` shows: ``dirty|uploading|durable|remote|error: CODE``."""
+    if inode.is_dir:
+        return "durable" if is_durable(txn, inode.ino) else "dirty"
+    error = txn.get_error(inode.ino)
+    if error:
+        return f"error: {error}"
+    if txn.get_pending(inode.ino) is not None:
+        return "uploading" if txn.get_upload(inode.ino) is not None else "dirty"
+    return inode.state.label
+
+
+def remote_fsync_state(txn: Txn, ino: int) -> str | None:
+    """For ``--fsync=remote``: "durable", a permanent error code, or None (keep waiting)."""
+    if txn.get_pending(ino) is None:
+        return "durable"
+    return txn.get_error(ino)
+
+
+@dataclass
+class Backlog:
+    files: list = field(default_factory=list)  # (path, bytes, state)
+    deletes: list = field(default_factory=list)  # bucket keys still to delete
+    bytes: int = 0
+    errors: dict = field(default_factory=dict)  # path -> error
+
+    @property
+    def empty(self) -> bool:
+        return not self.files and not self.deletes
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _pending_ancestor(txn: Txn, ino: int) -> bool:
+    """A directory above ``ino`` is pending (renamed, not yet expanded by the drain)."""
+    cur = txn.get_inode(ino)
+    while cur is not None and cur.ino != schema.ROOT_INO:
+        parent = txn.get_inode(cur.parent)
+        if parent is None:
+            return False
+        if parent.ino != schema.ROOT_INO and txn.get_pending(parent.ino) is not None:
+            return True
+        cur = parent
+    return False
+
+
+def pending_under(txn: Txn, rel: str) -> Backlog:
+    """Pending uploads, moves and deletes at or below ``rel`` (relative path, "" = all)."""
+    out = Backlog()
+    prefix = rel + "/" if rel else ""
+    in_flight = {}
+    status = txn.get_drain_status() or {}
+    for ino, progress in (status.get("in_flight") or {}).items():
+        in_flight[int(ino)] = progress.get("done", 0)
+    ino = txn.resolve(rel.encode("utf-8", "surrogateescape")) if rel else schema.ROOT_INO
+    if ino is not None:
+        ancestors_pending = bool(rel) and _pending_ancestor(txn, ino)
+        inode = txn.get_inode(ino)
+        items = [(rel, ino)]
+        if inode is not None and inode.is_dir:
+            items += [(prefix + _decode(p), c) for p, c in txn.iter_subtree(ino)]
+        for path, child in items:
+            child_inode = txn.get_inode(child)
+            if child_inode is None:
+                continue
+            pending = txn.get_pending(child)
+            if pending is None and not ancestors_pending:
+                continue
+            size = child_inode.size if child_inode.is_reg else 0
+            if (pending is not None and pending.reason != DATA
+                    and child_inode.durable_generation == child_inode.generation):
+                size = 0  # a move: copied in the bucket, not uploaded
+            size = max(0, size - in_flight.get(child, 0))
+            error = txn.get_error(child)
+            state = f"error: {error}" if error else ("uploading" if txn.get_upload(child) else "dirty")
+            if error:
+                out.errors[path or "/"] = error
+            out.files.append((path or "/", size, state))
+            out.bytes += size
+    for key, _ in txn.iter_tombstones():
+        if not rel or key == rel or key.startswith(prefix):
+            out.deletes.append(key)
+    return out
+
+
+def pending_keys(txn: Txn) -> set[str]:
+    """Every bucket key (relative to the prefix) the local cache has not settled yet.
+
+    Pending files (every hard-link name) and directories (``path/``, which covers
+    everything below), the objects pending inodes still have their content at (sources
+    of renames not yet copied, also below a pending directory), in-flight multipart
+    uploads and queued deletes. The lifecycle engine never touches these.
+    """
+    keys: set[str] = set()
+
+    def add_remote(ino: int) -> None:
+        remote = txn.get_remote(ino)
+        if remote is not None and remote.key:
+            keys.add(remote.key)
+
+    for ino, _ in txn.iter_pending():
+        inode = txn.get_inode(ino)
+        if inode is None:
+            continue
+        add_remote(ino)
+        if inode.is_dir:
+            path = txn.path_of(ino)
+            if path is not None:
+                keys.add(_decode(path) + "/")
+            # A renamed directory is expanded by the drain later: until then its
+            # subtree's objects are copy sources under their old keys.
+            for _, child in txn.iter_subtree(ino):
+                add_remote(child)
+        else:
+            keys.update(_decode(p) for p in txn.paths_of(ino))
+    for _, upload in txn.iter_uploads():
+        keys.add(upload.key)
+    for key, _ in txn.iter_tombstones():
+        keys.add(key)
+    return keys
