@@ -1,4 +1,4 @@
-"""``file:///dir`` implementation of :class:`drain.store.ObjectStore`.
+"""``file:///dir`` implementation of :class:`ckptfs.drain.store.ObjectStore`.
 
 Layout under the root directory ``D``:
 

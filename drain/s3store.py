@@ -1,4 +1,4 @@
-"""S3 implementation of :class:`drain.store.ObjectStore` (aiobotocore + httpx, trio).
+"""S3 implementation of :class:`ckptfs.drain.store.ObjectStore` (aiobotocore + httpx, trio).
 
 Data path for ``upload_part`` / ``put_object`` (one read, no extra copies):
 
@@ -17,7 +17,7 @@ Integrity is carried by the flexible checksum header
 (``x-amz-checksum-crc32c`` by default) or ``Content-MD5`` (``checksum="md5"``),
 verified by the server.  botocore's own checksum logic is set to
 ``when_required`` so it adds nothing to data requests.  botocore retries are
-disabled (``total_max_attempts=1``): :func:`drain.upload.retry_forever` does
+disabled (``total_max_attempts=1``): :func:`ckptfs.drain.upload.retry_forever` does
 retries with visible state.
 """
 

@@ -1,6 +1,6 @@
 """Which pending inodes the drain may start now, in which order (pure functions).
 
-Rules (ARCHITECTURE.md, "Drain order"):
+Rules (docs/ARCHITECTURE.md, "Drain order"):
 
 * A file is eligible once no handle has it open for writing (unless an
   ``fsync=remote`` caller asked for it: ``urgent``) and the settle window has
@@ -17,9 +17,10 @@ Rules (ARCHITECTURE.md, "Drain order"):
 
 from __future__ import annotations
 
-import fnmatch
 import posixpath
 from dataclasses import dataclass
+
+from ckptfs.fsmeta.settings import is_marker_name
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,7 @@ class Candidate:
 
 
 def is_marker(path: str, patterns: list[str]) -> bool:
-    name = posixpath.basename(path)
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+    return is_marker_name(posixpath.basename(path), patterns)
 
 
 def _below(path: str, directory: str) -> bool:

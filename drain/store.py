@@ -11,8 +11,8 @@ marker (zero-byte object).
 
 Two implementations:
 
-* ``s3://bucket[/prefix]`` -> :class:`drain.s3store.S3Store` (aiobotocore + httpx)
-* ``file:///abs/dir``      -> :class:`drain.filestore.FileStore`
+* ``s3://bucket[/prefix]`` -> :class:`ckptfs.drain.s3store.S3Store` (aiobotocore + httpx)
+* ``file:///abs/dir``      -> :class:`ckptfs.drain.filestore.FileStore`
 
 Errors: every failure is a :class:`StoreError` (or subclass) carrying the S3
 error ``code`` (``"AccessDenied"``, ``"NoSuchBucket"``, ``"SlowDown"`` ...) and a

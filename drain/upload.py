@@ -396,7 +396,7 @@ async def upload_file(
       The file's BLAKE3 is computed first (see module doc) and stored as user
       metadata ``blake3`` together with ``metadata``.
     * ``size``: expected size; a different file size raises
-      :class:`~drain.localio.SourceChangedError`.
+      :class:`~ckptfs.drain.localio.SourceChangedError`.
     * ``blake3_hex``: the file's BLAKE3 if the caller already knows it
       (trusted for multipart: skips the hash pass; checked for single PUTs).
     * ``resume``: state saved from an earlier attempt - an :class:`UploadRecord`,
@@ -425,7 +425,7 @@ async def upload_file(
     * Permanent store errors propagate; the multipart upload is left in place
       for a later resume (or :func:`abort_stale_uploads`).  If the file changes
       during the upload (size/mtime/inode), the upload is aborted and
-      :class:`drain.localio.SourceChangedError` is raised.
+      :class:`ckptfs.drain.localio.SourceChangedError` is raised.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")

@@ -1,4 +1,4 @@
-"""Records stored in fsmeta and their encodings (see :mod:`fsmeta.schema`)."""
+"""Records stored in fsmeta and their encodings (see :mod:`ckptfs.fsmeta.schema`)."""
 
 from __future__ import annotations
 

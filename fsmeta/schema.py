@@ -15,27 +15,27 @@ database      key                             value
               ``b"drain_status"``             JSON: the drain's live view (pid, in-flight
                                               uploads with bytes done, retries, totals),
                                               refreshed every second, read by status/wait
-``inodes``    ino                             packed :class:`fsmeta.records.Inode`
+``inodes``    ino                             packed :class:`ckptfs.fsmeta.records.Inode`
                                               (attributes, generation, durability state,
                                               symlink target)
 ``dirents``   parent ino + name bytes         child ino (u64)
 ``links``     ino + parent ino + name bytes   empty: reverse index of ``dirents``, so
                                               an inode's path(s) are found without a scan
 ``xattrs``    ino + name bytes                value bytes (user.* only)
-``remote``    ino                             JSON :class:`fsmeta.records.RemoteRecord`:
+``remote``    ino                             JSON :class:`ckptfs.fsmeta.records.RemoteRecord`:
                                               where this inode's content is in the bucket
                                               (key, size, blake3, generation, etag)
 ``remote_keys`` key bytes                     ino: reverse index of ``remote`` (an object
                                               that is some inode's content is never
                                               deleted by a tombstone)
-``pending``   ino                             JSON :class:`fsmeta.records.PendingRecord`:
+``pending``   ino                             JSON :class:`ckptfs.fsmeta.records.PendingRecord`:
                                               the bucket does not match this inode yet
                                               (new/changed data, renamed, dir marker);
                                               the drain's work queue
 ``writers``   ino                             u32: handles the gateway holds open for
                                               writing (the drain waits for 0; cleared at
                                               gateway start, see ``gateway.lock``)
-``uploads``   ino                             JSON :class:`fsmeta.records.UploadRecord`:
+``uploads``   ino                             JSON :class:`ckptfs.fsmeta.records.UploadRecord`:
                                               an in-flight multipart upload (id, key,
                                               part size, generation, finished parts)
 ``tombstones`` key bytes (relative to prefix) JSON: an object to delete from the bucket

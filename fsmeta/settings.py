@@ -8,13 +8,23 @@ address parsers are here for the same reason.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from urllib.parse import unquote, urlparse, urlsplit
 
+# Commit markers: files a checkpoint writer creates last. The drain uploads them after every
+# other file below their directory, the lifecycle engine calls a checkpoint complete once one exists.
 DEFAULT_MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
+
+
+def is_marker_name(name: str, patterns: Iterable[str]) -> bool:
+    """Whether a file name (not a path) matches one of the marker globs."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
 MIB = 1 << 20
 GIB = 1 << 30
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Literal
 
-from .patterns import compile_step_pattern, is_marker_name, match_step
+from ckptfs.fsmeta.settings import is_marker_name
+
+from .patterns import compile_step_pattern, match_step
 from .rules import LifecycleRules
 from .storage_classes import normalize_storage_class
 

@@ -1,11 +1,11 @@
 """Carry a lifecycle Plan out against the object store (``ckptfs lifecycle apply``).
 
 The planner (``lifecycle.planner``) is pure; this module does the I/O around
-it, under trio, with the ``drain.store.ObjectStore`` interface:
+it, under trio, with the ``ckptfs.drain.store.ObjectStore`` interface:
 
 1. **Inputs** (:func:`gather_inputs`): one listing of the store (keys relative
    to its prefix) without ckptfs' own ``.ckptfs/`` objects; the pins found in
-   it (``.ckptfs/pins/``, see :mod:`lifecycle.pins`); the tags of every object
+   it (``.ckptfs/pins/``, see :mod:`ckptfs.lifecycle.pins`); the tags of every object
    not in STANDARD (to read ``ckptfs-mtime``, see below); and the keys still
    pending in a local cache directory (:func:`read_local_pending`).
 2. **Re-check**: right before executing, pins and local pending keys are read

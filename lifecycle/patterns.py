@@ -8,9 +8,7 @@ characters and ``?`` for a single character; everything else is literal.
 
 from __future__ import annotations
 
-import fnmatch
 import re
-from collections.abc import Iterable
 
 STEP_PLACEHOLDER = "{step}"
 
@@ -57,7 +55,3 @@ def check_marker_glob(text: str) -> None:
         raise PatternError("must be a non-empty string")
     if "/" in text:
         raise PatternError(f"must be a file name (glob) without '/', got {text!r}")
-
-
-def is_marker_name(name: str, markers: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, glob) for glob in markers)
