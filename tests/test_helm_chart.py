@@ -19,6 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from ckptfs.fsmeta.settings import build_settings
+from ckptfs.lifecycle.rules import rules_from_table
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "ckptfs"
 HELM = Path(sys.prefix) / "bin" / "helm"
@@ -141,9 +144,13 @@ def gateway(docs: list[dict]) -> dict:
     return one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
 
 
-def ckptfs_toml(docs: list[dict]) -> dict:
+def docs_toml_text(docs: list[dict]) -> str:
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "ckptfs.toml" in d["data"])
-    return tomllib.loads(cm["data"]["ckptfs.toml"])
+    return cm["data"]["ckptfs.toml"]
+
+
+def ckptfs_toml(docs: list[dict]) -> dict:
+    return tomllib.loads(docs_toml_text(docs))
 
 
 # ---------------------------------------------------------------- lint and Kubernetes schemas
@@ -375,6 +382,13 @@ def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
                              "sign_payload": True}
     assert conf["lifecycle"] == LIFECYCLE_RULES
     assert isinstance(conf["lifecycle"]["keep_latest"], int)  # not 3.0: lifecycle wants integers
+
+    # and ckptfs itself accepts it: settings and lifecycle rules validate as the gateway would
+    path = tmp_path / "ckptfs.toml"
+    path.write_text(docs_toml_text(docs))
+    settings = build_settings(str(path), {})
+    assert (settings.fsync, settings.part_size, settings.checksum) == ("remote", 128 << 20, "crc64nvme")
+    assert rules_from_table(settings.lifecycle).keep_latest == LIFECYCLE_RULES["keep_latest"]
 
     # the gateway reads the file the ConfigMap provides, with the same cache dir
     c = gateway(docs)
