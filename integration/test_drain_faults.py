@@ -171,7 +171,7 @@ def test_stale_foreign_uploads_aborted_at_start(s3_server, s3_bucket, mounts, mo
     """Uploads under our prefix that fsmeta does not know and that are older than
     STALE_UPLOAD_SECONDS are aborted when a drain starts (24 h in production; 0 here),
     uploads outside the prefix are not touched."""
-    from ckptfs.drain import main as drain_main
+    from ckptfs.drain import process as drain_process
     from ckptfs.drain import worker
 
     c = s3_server.client()
@@ -186,7 +186,7 @@ def test_stale_foreign_uploads_aborted_at_start(s3_server, s3_bucket, mounts, mo
     for k, v in m.env.items():
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
-    assert drain_main.run(str(m.cache), until_empty=True) == 0
+    assert drain_process.run(str(m.cache), until_empty=True) == 0
     left = {u["UploadId"] for u in open_uploads(c, s3_bucket)}
     assert ours not in left and other in left
     c.abort_multipart_upload(Bucket=s3_bucket, Key="someone-else/big.bin", UploadId=other)
