@@ -182,6 +182,10 @@ class Settings:
             parse_bucket_url(self.bucket_url)
         if self.endpoint_url is not None:
             parsed = urlparse(self.endpoint_url)
+            if "@" in parsed.netloc:
+                # Never echo it: the part before '@' is a secret.
+                raise ConfigError("endpoint_url: must not contain credentials (user:password@); use the "
+                                  "AWS credential chain (environment, profile, IRSA)")
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
         if self.fsync not in ("local", "remote"):

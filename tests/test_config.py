@@ -147,3 +147,11 @@ def test_settings_round_trip_through_json():
     data["from_a_newer_version"] = 1  # unknown keys are ignored by an older drain
     again = Settings.from_json(data)
     assert again == s
+
+
+def test_credentials_in_the_endpoint_url_are_refused_without_echoing_them(tmp_path):
+    path = write(tmp_path, 'bucket_url = "s3://abc"\nendpoint_url = "http://AKIAXX:s3cr3t@127.0.0.1:7480"\n')
+    with pytest.raises(ConfigError) as exc:
+        build_settings(path, {})
+    assert str(exc.value).startswith("endpoint_url:")
+    assert "s3cr3t" not in str(exc.value) and "AKIAXX" not in str(exc.value)
