@@ -199,6 +199,7 @@ class Backlog:
     deletes: list = field(default_factory=list)  # bucket keys still to delete
     bytes: int = 0
     errors: dict = field(default_factory=dict)  # path -> error
+    oldest_since_ns: int | None = None  # when the longest-waiting entry became pending
 
     @property
     def empty(self) -> bool:
@@ -244,6 +245,8 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
             pending = txn.get_pending(child)
             if pending is None and not ancestors_pending:
                 continue
+            if pending is not None and (out.oldest_since_ns is None or pending.since_ns < out.oldest_since_ns):
+                out.oldest_since_ns = pending.since_ns
             size = child_inode.size if child_inode.is_reg else 0
             if (pending is not None and pending.reason != DATA
                     and child_inode.durable_generation == child_inode.generation):
@@ -255,9 +258,59 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
                 out.errors[path or "/"] = error
             out.files.append((path or "/", size, state))
             out.bytes += size
-    for key, _ in txn.iter_tombstones():
+    for key, rec in txn.iter_tombstones():
         if not rel or key == rel or key.startswith(prefix):
             out.deletes.append(key)
+            since = rec.get("since_ns")
+            if since is not None and (out.oldest_since_ns is None or since < out.oldest_since_ns):
+                out.oldest_since_ns = since
+    return out
+
+
+@dataclass(frozen=True)
+class FileStatus:
+    """Where one file stands, for ``status --by-checkpoint``."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    state: str  # dirty | uploading | durable | remote | error
+    error: str | None
+    pending_since_ns: int | None  # when it became pending; None when settled
+    bytes_to_upload: int  # 0 for a file that only moves in the bucket
+
+
+def file_states(txn: Txn) -> list[FileStatus]:
+    """Every regular file and symlink of the namespace with its state (one read transaction).
+
+    A file below a pending directory (a rename not yet expanded by the drain) is pending
+    too: its object still sits under the old name.
+    """
+    out: list[FileStatus] = []
+    stack: list[tuple[int, str, int | None]] = [(schema.ROOT_INO, "", None)]
+    while stack:
+        dir_ino, base, inherited_since = stack.pop()
+        for name, child in txn.iter_dir(dir_ino):
+            inode = txn.get_inode(child)
+            if inode is None:
+                continue
+            path = base + _decode(name)
+            pending = txn.get_pending(child)
+            since = pending.since_ns if pending is not None else inherited_since
+            if inode.is_dir:
+                stack.append((child, path + "/", since))
+                continue
+            error = txn.get_error(child)
+            if error:
+                state = "error"
+            elif since is None:
+                state = inode.state.label
+            else:
+                state = "uploading" if txn.get_upload(child) is not None else "dirty"
+            moving = pending is None or (pending.reason != DATA
+                                         and inode.durable_generation == inode.generation)
+            to_upload = 0 if since is None or moving or not inode.is_reg else inode.size
+            out.append(FileStatus(path, inode.size, inode.mtime_ns, state, error, since, to_upload))
     return out
 
 

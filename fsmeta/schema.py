@@ -15,6 +15,8 @@ database      key                             value
               ``b"drain_status"``             JSON: the drain's live view (pid, in-flight
                                               uploads with bytes done, retries, totals),
                                               refreshed every second, read by status/wait
+              ``b"gateway_status"``           JSON: the gateway's pid, mountpoint and data
+                                              path (passthrough|writeback), set at mount
 ``inodes``    ino                             packed :class:`ckptfs.fsmeta.records.Inode`
                                               (attributes, generation, durability state,
                                               symlink target)

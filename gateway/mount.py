@@ -203,6 +203,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     except RuntimeError as exc:
         meta.close()
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
+    meta.write(lambda txn: txn.put_gateway_status(
+        {"pid": os.getpid(), "mountpoint": mountpoint, "data_path": "writeback", "started_ns": time.time_ns()}))
     metrics.serve(settings.metrics_addr)
     supervisor.start()
     log.info("mounted %s on %s (cache %s)", settings.bucket_url, mountpoint, settings.cache_dir)

@@ -1,17 +1,64 @@
-"""``ckptfs status`` and ``ckptfs wait-durable``: what is not in the bucket yet."""
+"""``ckptfs status`` and ``ckptfs wait-durable``: what is not in the bucket yet.
+
+``ckptfs status --json`` prints one object (``--watch``: one per refresh, a line each):
+
+==================================  ==============================================================
+field                               meaning
+==================================  ==============================================================
+``bucket_url``, ``cache_dir``       what this cache drains to, and where it is
+``data_path``                       the gateway's data path: ``passthrough`` or ``writeback``
+                                    (null when no gateway has recorded one)
+``gateway_pid``, ``drain_pid``      the processes working on the cache (null: none)
+``pending_files``                   files and directories whose bucket object does not match yet
+``pending_bytes``                   bytes still to upload (moves cost none)
+``pending_deletes``                 bucket keys still to delete
+``oldest_pending_age_seconds``      how long the longest-waiting entry has waited (null: none)
+``upload_rate_bytes_per_second``    the drain's recent upload rate (null: no drain has said)
+``uploaded_bytes``/``_files``       totals since the drain started
+``errors``                          path -> permanent error code
+``retrying``                        operation -> retry state, for retryable errors
+``cache``                           ``used_bytes`` (cache files), ``dirty_bytes``, and the cache
+                                    device's ``device_bytes`` and ``device_free_bytes``
+``checkpoints``                     with ``--by-checkpoint``: one object per checkpoint, below
+==================================  ==============================================================
+
+A checkpoint (``--by-checkpoint``) is what the lifecycle engine calls one: a directory or file
+whose name matches a ``[lifecycle] checkpoints`` pattern, or, when none is configured,
+:data:`DEFAULT_CHECKPOINT_PATTERNS`. Each row: ``path``, ``step``, ``files``, ``bytes``,
+``dirty``, ``uploading``, ``durable``, ``errors`` (file counts), ``pending_bytes``,
+``oldest_pending_age_seconds``, ``eta_seconds`` (at the current upload rate, counting what the
+drain sends first; null when unknown or nothing is pending), ``complete`` (a commit marker
+exists) and ``marker_in_bucket`` (that marker is durable in the bucket).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from datetime import datetime, timezone
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ckptfs.fsmeta import durability
 from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import DEFAULT_MARKERS
 from ckptfs.gateway.mount import NotOnMount, find_mount
+from ckptfs.lifecycle.catalog import ListedObject, build_catalog
+from ckptfs.lifecycle.render import elide_path
+from ckptfs.lifecycle.rules import LifecycleConfigError, LifecycleRules, rules_from_table
 
 from .common import human_bytes
+
+# Checkpoint names of the common trainers (DCP/torch step dirs, Hugging Face, Megatron,
+# DeepSpeed), used by --by-checkpoint when [lifecycle] configures none.
+DEFAULT_CHECKPOINT_PATTERNS = ("step_{step}", "step-{step}", "checkpoint-{step}", "checkpoint_{step}",
+                               "iter_{step}", "global_step{step}")
 
 
 def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool = False,
@@ -19,42 +66,41 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
     """Block until everything at or under ``path`` is durable; False on timeout (pending printed)."""
     root, cache_dir, rel = find_mount(path)
     meta = CacheDir(cache_dir).open_meta()
+    console = Console(file=out)
+    progress = Progress(TextColumn("waiting for the bucket"), BarColumn(), DownloadColumn(),
+                        TextColumn("{task.fields[files]} files, {task.fields[deletes]} deletes"),
+                        TimeElapsedColumn(), console=console, transient=True, disable=not show_progress)
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
-        start_bytes = None
+        start_bytes = 0
         warned = set()
-        while True:
-            with meta.read() as txn:
-                backlog = durability.pending_under(txn, rel)
-            if backlog.empty:
-                if show_progress and start_bytes:
-                    out.write("\r" + " " * 78 + "\r")
-                return True
-            for p, error in backlog.errors.items():
-                if p not in warned:
-                    warned.add(p)
-                    out.write(f"ckptfs: {p}: upload failing: {error} (data kept in the cache; retrying)\n")
-            if show_progress:
-                start_bytes = max(start_bytes or 0, backlog.bytes)
-                done = start_bytes - backlog.bytes
-                frac = done / start_bytes if start_bytes else 0.0
-                bar = "#" * int(frac * 30)
-                out.write(f"\r[{bar:<30}] {human_bytes(backlog.bytes)} left, {len(backlog.files)} files, "
-                          f"{len(backlog.deletes)} deletes   ")
-                out.flush()
-            if deadline is not None and time.monotonic() >= deadline:
-                if show_progress:
-                    out.write("\n")
-                out.write(f"ckptfs: timed out; still pending under {path}:\n")
-                for p, size, state in backlog.files[:50]:
-                    out.write(f"  {state:10} {human_bytes(size):>10}  {p}\n")
-                for key in backlog.deletes[:50]:
-                    out.write(f"  {'delete':10} {'':>10}  {key}\n")
-                more = len(backlog.files) + len(backlog.deletes) - 100
-                if more > 0:
-                    out.write(f"  … and {more} more\n")
-                return False
-            time.sleep(interval)
+        with progress:
+            task = progress.add_task("wait", total=None, files=0, deletes=0)
+            while True:
+                with meta.read() as txn:
+                    backlog = durability.pending_under(txn, rel)
+                if backlog.empty:
+                    return True
+                for p, error in backlog.errors.items():
+                    if p not in warned:
+                        warned.add(p)
+                        console.print(f"ckptfs: {p}: upload failing: {error} (data kept in the cache; retrying)",
+                                      markup=False, highlight=False)
+                start_bytes = max(start_bytes, backlog.bytes)
+                progress.update(task, total=start_bytes or None, completed=start_bytes - backlog.bytes,
+                                files=len(backlog.files), deletes=len(backlog.deletes))
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                time.sleep(interval)
+        out.write(f"ckptfs: timed out; still pending under {path}:\n")
+        for p, size, state in backlog.files[:50]:
+            out.write(f"  {state:10} {human_bytes(size):>10}  {p}\n")
+        for key in backlog.deletes[:50]:
+            out.write(f"  {'delete':10} {'':>10}  {key}\n")
+        more = len(backlog.files) + len(backlog.deletes) - 100
+        if more > 0:
+            out.write(f"  … and {more} more\n")
+        return False
     finally:
         meta.close()
 
@@ -68,6 +114,171 @@ def cmd_wait_durable(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if ok else 1
 
 
+# -- status ---------------------------------------------------------------------------------
+
+
+def _age(now_ns: int, since_ns: int | None) -> float | None:
+    return None if since_ns is None else max(0.0, (now_ns - since_ns) / 1e9)
+
+
+def _cache_usage(cache: CacheDir, dirty_bytes: int) -> dict:
+    used = 0
+    try:
+        with os.scandir(cache.data_dir) as entries:
+            for entry in entries:
+                try:
+                    used += entry.stat(follow_symlinks=False).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    except FileNotFoundError:
+        pass
+    fs = os.statvfs(cache.root)
+    return {"used_bytes": used, "dirty_bytes": dirty_bytes,
+            "device_bytes": fs.f_blocks * fs.f_frsize, "device_free_bytes": fs.f_bavail * fs.f_frsize}
+
+
+def _checkpoint_rules(settings: dict) -> LifecycleRules:
+    try:
+        rules = rules_from_table(settings.get("lifecycle") or {})
+    except LifecycleConfigError:
+        rules = LifecycleRules()
+    markers = tuple(rules.markers or settings.get("markers") or DEFAULT_MARKERS)
+    return LifecycleRules(checkpoints=rules.checkpoints or DEFAULT_CHECKPOINT_PATTERNS, markers=markers)
+
+
+def checkpoint_rows(files: list[durability.FileStatus], rules: LifecycleRules, *, now_ns: int,
+                    rate: float | None) -> list[dict]:
+    """One row per checkpoint of the local namespace (see the module docstring)."""
+    by_path = {f.path: f for f in files}
+    listing = [ListedObject(f.path, f.size, datetime.fromtimestamp(f.mtime_ns / 1e9, timezone.utc))
+               for f in files]
+    rows = []
+    for series in build_catalog(listing, rules).series:
+        for ckpt in series.checkpoints:
+            members = [by_path[o.key] for o in ckpt.objects]
+            pending = [f for f in members if f.pending_since_ns is not None]
+            markers = [by_path[k] for k in ckpt.marker_keys]
+            rows.append({
+                "path": ckpt.path, "step": ckpt.step, "files": len(members), "bytes": ckpt.bytes,
+                "dirty": sum(f.state == "dirty" for f in members),
+                "uploading": sum(f.state == "uploading" for f in members),
+                "durable": sum(f.pending_since_ns is None for f in members),
+                "errors": sum(f.state == "error" for f in members),
+                "pending_bytes": sum(f.bytes_to_upload for f in pending),
+                "oldest_pending_age_seconds": _age(now_ns, min((f.pending_since_ns for f in pending), default=None)),
+                "eta_seconds": None,
+                "complete": ckpt.complete,
+                "marker_in_bucket": any(f.pending_since_ns is None for f in markers),
+            })
+    # The drain sends the oldest pending first: a checkpoint waits for everything older.
+    queued = 0
+    for row in sorted((r for r in rows if r["oldest_pending_age_seconds"] is not None),
+                      key=lambda r: -r["oldest_pending_age_seconds"]):
+        queued += row["pending_bytes"]
+        if rate:
+            row["eta_seconds"] = queued / rate
+    rows.sort(key=lambda r: (r["path"].rsplit("/", 1)[0], r["step"]))
+    return rows
+
+
+def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
+    meta = cache.open_meta()
+    try:
+        with meta.read() as txn:
+            backlog = durability.pending_under(txn, rel)
+            whole = durability.pending_under(txn, "") if rel else backlog
+            drain = txn.get_drain_status() or {}
+            gateway = txn.get_gateway_status() or {}
+            settings = txn.get_settings() or {}
+            files = durability.file_states(txn) if by_checkpoint else []
+    finally:
+        meta.close()
+    now = time.time_ns()
+    gateway_pid = cache.gateway_pid()
+    report = {
+        "bucket_url": settings.get("bucket_url"),
+        "cache_dir": cache.root,
+        "data_path": gateway.get("data_path") if gateway_pid else None,
+        "gateway_pid": gateway_pid,
+        "drain_pid": cache.drain_pid(),
+        "pending_files": len(backlog.files),
+        "pending_bytes": backlog.bytes,
+        "pending_deletes": len(backlog.deletes),
+        "oldest_pending_age_seconds": _age(now, backlog.oldest_since_ns),
+        "upload_rate_bytes_per_second": drain.get("upload_rate_bytes_per_second"),
+        "errors": backlog.errors,
+        "retrying": drain.get("retrying", {}),
+        "uploaded_bytes": drain.get("uploaded_bytes", 0),
+        "uploaded_files": drain.get("uploaded_files", 0),
+        "cache": _cache_usage(cache, whole.bytes),
+    }
+    if by_checkpoint:
+        prefix = rel + "/" if rel else ""
+        rows = checkpoint_rows(files, _checkpoint_rules(settings), now_ns=now,
+                               rate=report["upload_rate_bytes_per_second"])
+        report["checkpoints"] = [r for r in rows if not rel or r["path"] == rel or r["path"].startswith(prefix)]
+    return report
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 90:
+        return f"{value:.0f}s"
+    if value < 5400:
+        return f"{value / 60:.0f}m"
+    return f"{value / 3600:.1f}h"
+
+
+def render(report: dict, width: int = 80):
+    """The report for people: a summary, then the checkpoint table (rich renderables).
+
+    Long checkpoint paths are shortened in the middle (the checkpoint's own name is kept)
+    so that a row fits ``width`` columns.
+    """
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    rate = report["upload_rate_bytes_per_second"]
+    cache = report["cache"]
+    summary.add_row("bucket", str(report["bucket_url"]))
+    summary.add_row("cache", f"{report['cache_dir']}  gateway pid {report['gateway_pid'] or '-'}  "
+                             f"drain pid {report['drain_pid'] or '-'}  data path {report['data_path'] or '-'}")
+    summary.add_row("backlog", f"{report['pending_files']} files, {human_bytes(report['pending_bytes'])}, "
+                               f"{report['pending_deletes']} deletes; oldest waiting "
+                               f"{_seconds(report['oldest_pending_age_seconds'])}")
+    summary.add_row("drained", f"{report['uploaded_files']} files, {human_bytes(report['uploaded_bytes'])} since "
+                               f"the drain started; now {human_bytes(rate) + '/s' if rate is not None else '-'}")
+    summary.add_row("cache use", f"{human_bytes(cache['used_bytes'])} in cache files "
+                                 f"({human_bytes(cache['dirty_bytes'])} not in the bucket yet); device "
+                                 f"{human_bytes(cache['device_free_bytes'])} free of {human_bytes(cache['device_bytes'])}")
+    for what, msg in report["retrying"].items():
+        summary.add_row("retrying", f"{what}: {msg}")
+    for path, err in report["errors"].items():
+        summary.add_row("error", f"{path}: {err}")
+    if "checkpoints" in report:
+        summary.add_row("columns", "DIRTY/UPL/DONE/ERR: files not sent, being sent, in the bucket, failing; "
+                                   "WAIT: oldest pending; ETA: at the current rate")
+    parts = [summary]
+    if "checkpoints" in report:
+        header = ("CHECKPOINT", "SIZE", "FILES", "DIRTY", "UPL", "DONE", "ERR", "WAIT", "ETA", "MARKER")
+        cells = []
+        for row in report["checkpoints"]:
+            marker = "in bucket" if row["marker_in_bucket"] else ("local" if row["complete"] else "none")
+            cells.append([row["path"], human_bytes(row["bytes"]), str(row["files"]), str(row["dirty"]),
+                          str(row["uploading"]), str(row["durable"]), str(row["errors"]),
+                          _seconds(row["oldest_pending_age_seconds"]), _seconds(row["eta_seconds"]), marker])
+        # Every column but the path keeps its width; the path gets the rest, shortened in the middle.
+        fixed = sum(max(len(header[i]), *(len(c[i]) for c in cells)) + 2 for i in range(1, len(header))) if cells else 0
+        table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
+        for name in header:
+            table.add_column(name, justify="left" if name in ("CHECKPOINT", "MARKER") else "right", no_wrap=True)
+        for c in cells:
+            table.add_row(elide_path(c[0], max(16, width - fixed - 1)), *c[1:])
+        parts += ["", table if cells else "no checkpoints (see [lifecycle] checkpoints)"]
+    return Group(*parts)
+
+
 def cmd_status(args: argparse.Namespace, argv: list[str]) -> int:
     if args.cache_dir:
         cache, rel = CacheDir(args.cache_dir), ""
@@ -78,39 +289,31 @@ def cmd_status(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"ckptfs: {exc}", file=sys.stderr)
             return 2
         cache = CacheDir(cache_dir)
-    meta = cache.open_meta()
-    try:
-        with meta.read() as txn:
-            backlog = durability.pending_under(txn, rel)
-            drain = txn.get_drain_status() or {}
-            settings = txn.get_settings() or {}
-    finally:
-        meta.close()
-    report = {
-        "bucket_url": settings.get("bucket_url"),
-        "cache_dir": cache.root,
-        "gateway_pid": cache.gateway_pid(),
-        "drain_pid": cache.drain_pid(),
-        "pending_files": len(backlog.files),
-        "pending_bytes": backlog.bytes,
-        "pending_deletes": len(backlog.deletes),
-        "errors": backlog.errors,
-        "retrying": drain.get("retrying", {}),
-        "uploaded_bytes": drain.get("uploaded_bytes", 0),
-        "uploaded_files": drain.get("uploaded_files", 0),
-    }
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if not cache.has_meta():
+        print(f"ckptfs: cache directory {cache.root}: no ckptfs cache here (never mounted?)", file=sys.stderr)
+        return 2
+
+    def report() -> dict:
+        return collect(cache, rel, by_checkpoint=args.by_checkpoint)
+
+    console = Console(highlight=False)
+    if not args.watch:
+        if args.json:
+            print(json.dumps(report(), indent=2))
+        else:
+            console.print(render(report(), console.width))
         return 0
-    print(f"bucket   {report['bucket_url']}")
-    print(f"cache    {cache.root}   gateway pid {report['gateway_pid'] or '-'}   drain pid {report['drain_pid'] or '-'}")
-    print(f"backlog  {len(backlog.files)} files, {human_bytes(backlog.bytes)}, {len(backlog.deletes)} deletes")
-    print(f"drained  {report['uploaded_files']} files, {human_bytes(report['uploaded_bytes'])} since the drain started")
-    for what, msg in report["retrying"].items():
-        print(f"retrying {what}: {msg}")
-    for path, err in backlog.errors.items():
-        print(f"error    {path}: {err}")
-    return 0
+    try:
+        if args.json:
+            while True:
+                print(json.dumps(report()), flush=True)
+                time.sleep(args.interval)
+        with Live(render(report(), console.width), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render(report(), console.width), refresh=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -119,8 +322,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None)
     p.set_defaults(func=cmd_wait_durable)
 
-    p = sub.add_parser("status", help="drain backlog and errors of a mount or cache directory")
+    p = sub.add_parser("status", help="drain backlog, errors and cache use of a mount or cache directory")
     p.add_argument("mountpoint", nargs="?")
     p.add_argument("--cache-dir")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable (fields: see docs/OPERATIONS.md)")
+    p.add_argument("--by-checkpoint", action="store_true", help="one row per checkpoint directory")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted (with --json: a line each)")
+    p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_status)
