@@ -25,6 +25,7 @@ lifecycle engine.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from . import schema
@@ -204,6 +205,35 @@ class Backlog:
     @property
     def empty(self) -> bool:
         return not self.files and not self.deletes
+
+
+@dataclass(frozen=True)
+class BacklogSummary:
+    files: int
+    bytes: int
+    oldest_since_ns: int | None
+
+    def oldest_age_seconds(self, now_ns: int | None = None) -> float | None:
+        if self.oldest_since_ns is None:
+            return None
+        return max(0.0, ((now_ns or time.time_ns()) - self.oldest_since_ns) / 1e9)
+
+
+def backlog_summary(txn: Txn) -> BacklogSummary:
+    """Pending entries, bytes to upload and the oldest pending time of the whole cache, from
+    the queue alone (cheap enough for every metrics scrape)."""
+    files = size = 0
+    oldest = None
+    for ino, rec in txn.iter_pending():
+        inode = txn.get_inode(ino)
+        if inode is None:
+            continue
+        files += 1
+        if inode.is_reg and not (rec.reason != DATA and inode.durable_generation == inode.generation):
+            size += inode.size
+        if oldest is None or rec.since_ns < oldest:
+            oldest = rec.since_ns
+    return BacklogSummary(files, size, oldest)
 
 
 def _decode(raw: bytes) -> str:

@@ -349,5 +349,8 @@ class Txn:
         raw = self._get("errors", schema.ino_key(ino))
         return bytes(raw).decode() if raw is not None else None
 
+    def count_errors(self) -> int:
+        return self.raw.stat(self.dbs["errors"])["entries"]
+
     def clear_error(self, ino: int) -> None:
         self._delete("errors", schema.ino_key(ino))

@@ -1,0 +1,145 @@
+"""Prometheus metrics of the drain and the cache, read from fsmeta at scrape time.
+
+The drain is its own process (or none, after a crash), so it does not serve metrics itself
+while a gateway runs: it publishes its counters and histograms in fsmeta
+(``meta/drain_status``, every second), and :class:`DrainCollector` turns them, plus the
+``pending``, ``uploads`` and ``errors`` tables, into metric families on each scrape. One
+endpoint per node then covers both processes: the gateway's, or a standalone ``ckptfs
+drain``'s when no gateway runs.
+
+Names follow the Prometheus conventions (base units, ``_total`` on counters); the list is
+in ``docs/OPERATIONS.md``, and the Helm chart's dashboard and alerts use only these.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from ckptfs.fsmeta import MetaStore, durability
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import parse_addr
+
+log = logging.getLogger("ckptfs.metrics")
+
+# Seconds of one object-store request (PUT, UploadPart, Complete, copy, delete).
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Seconds from a file's last close or fsync to its being durable in the bucket.
+DURABLE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class Histogram:
+    """A histogram the drain fills in memory and publishes as JSON (cumulative on export)."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def to_json(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total}
+
+
+def _histogram_family(name: str, doc: str, labelnames: list[str], series: dict) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=labelnames)
+    for key, data in series.items():
+        cumulative, running = [], 0
+        for bound, count in zip([*data["buckets"], float("inf")], data["counts"]):
+            running += count
+            cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        family.add_metric([key] if labelnames else [], cumulative, data["sum"])
+    return family
+
+
+class DrainCollector(Collector):
+    """Backlog, uploads, errors and cache use of one cache directory, at scrape time."""
+
+    def __init__(self, cache: CacheDir, meta: MetaStore):
+        self.cache = cache
+        self.meta = meta
+
+    def _cache_bytes(self) -> int:
+        used = 0
+        try:
+            with os.scandir(self.cache.data_dir) as entries:
+                for entry in entries:
+                    try:
+                        used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except FileNotFoundError:
+                        pass
+        except FileNotFoundError:
+            pass
+        return used
+
+    def collect(self):
+        with self.meta.read() as txn:
+            summary = durability.backlog_summary(txn)
+            status = txn.get_drain_status() or {}
+            open_uploads = sum(1 for _ in txn.iter_uploads())
+            in_error = txn.count_errors()
+        now_s = status.get("updated_ns", 0) / 1e9
+        yield GaugeMetricFamily("ckptfs_dirty_files", "Files and directories the bucket does not match yet",
+                                value=summary.files)
+        yield GaugeMetricFamily("ckptfs_dirty_bytes", "Bytes still to upload", value=summary.bytes)
+        age = summary.oldest_age_seconds()
+        yield GaugeMetricFamily("ckptfs_oldest_dirty_age_seconds",
+                                "Seconds the longest-waiting pending file has waited (0: none)", value=age or 0.0)
+        yield CounterMetricFamily("ckptfs_uploaded_bytes", "Bytes uploaded by the drain since it started",
+                                  value=status.get("uploaded_bytes", 0))
+        yield CounterMetricFamily("ckptfs_uploaded_files", "Files uploaded by the drain since it started",
+                                  value=status.get("uploaded_files", 0))
+        retries = CounterMetricFamily("ckptfs_upload_retries", "Retried object-store requests, by error code",
+                                      labels=["code"])
+        for code, n in (status.get("retries_by_code") or {}).items():
+            retries.add_metric([code], n)
+        yield retries
+        errors = CounterMetricFamily("ckptfs_upload_errors", "Permanent upload errors, by error code",
+                                     labels=["code"])
+        for code, n in (status.get("errors_by_code") or {}).items():
+            errors.add_metric([code], n)
+        yield errors
+        yield GaugeMetricFamily("ckptfs_files_in_error", "Files whose last upload failed permanently",
+                                value=in_error)
+        yield GaugeMetricFamily("ckptfs_multipart_uploads_open", "Multipart uploads the drain has in progress",
+                                value=open_uploads)
+        histograms = status.get("histograms") or {}
+        yield _histogram_family("ckptfs_upload_request_duration_seconds", "Seconds per object-store request",
+                                ["op"], histograms.get("upload_request_duration_seconds") or {})
+        yield _histogram_family("ckptfs_time_to_durable_seconds",
+                                "Seconds from a file's last close or fsync to its being durable", [],
+                                {"": histograms["time_to_durable_seconds"]}
+                                if "time_to_durable_seconds" in histograms else {})
+        used = self._cache_bytes()
+        cache = GaugeMetricFamily("ckptfs_cache_bytes", "Bytes of cache files, by state", labels=["state"])
+        cache.add_metric(["dirty"], min(summary.bytes, used))
+        cache.add_metric(["clean"], max(0, used - summary.bytes))
+        yield cache
+        fs = os.statvfs(self.cache.root)
+        # No cache cap is configurable yet: the cache may fill its device.
+        yield GaugeMetricFamily("ckptfs_cache_max_bytes", "Bytes the cache may use (its device's size)",
+                                value=fs.f_blocks * fs.f_frsize)
+        yield GaugeMetricFamily("ckptfs_drain_status_age_seconds",
+                                "Seconds since the drain last published its status (a stuck or absent drain grows)",
+                                value=max(0.0, time.time() - now_s) if now_s else 0.0)
+
+
+def serve(addr: str, registry: CollectorRegistry) -> bool:
+    """Start the /metrics endpoint in a background thread; a busy port is logged, not fatal."""
+    host, port = parse_addr(addr)
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        log.warning("metrics endpoint %s not started: %s", addr, exc)
+        return False
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return True
