@@ -1,0 +1,64 @@
+"""The bucket-key policy: which names the filesystem accepts, so that every file
+can be stored as an S3 object under its path."""
+
+from __future__ import annotations
+
+import errno
+
+from ckptfs.fsmeta import Txn
+
+from .errors import FsError
+
+NAME_MAX = 255
+S3_KEY_MAX = 1024
+
+
+def check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"name is {len(name)} bytes, the limit is {NAME_MAX}")
+    if not name or b"/" in name or name in (b".", b".."):
+        raise FsError(errno.EINVAL, "invalid name")
+    try:
+        name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FsError(errno.EILSEQ, "names must be valid UTF-8 to be stored as S3 keys") from None
+
+
+def rel_key(txn: Txn, parent: int, name: bytes) -> str:
+    """The bucket key of a name, relative to the key prefix."""
+    base = txn.path_of(parent) or b""
+    return (base + b"/" + name if base else name).decode("utf-8", "surrogateescape")
+
+
+def longest_below(txn: Txn, dir_ino: int) -> int:
+    """Bytes the longest key below a directory adds after ``dir/``."""
+    longest = 0
+    for rel, child in txn.iter_subtree(dir_ino):
+        inode = txn.get_inode(child)
+        extra = 1 if inode is not None and inode.is_dir else 0
+        longest = max(longest, 1 + len(rel) + extra)
+    return longest
+
+
+class BucketKeys:
+    """S3's 1024-byte key limit, counted with the mount's key prefix."""
+
+    def __init__(self, key_prefix: str):
+        self.key_prefix = key_prefix
+
+    def key_length(self, rel_path: bytes) -> int:
+        return len(self.key_prefix.encode()) + (1 if self.key_prefix else 0) + len(rel_path)
+
+    def check(self, txn: Txn, parent: int, name: bytes, *, is_dir: bool, subtree_extra: int = 0) -> None:
+        """Refuse a name whose bucket key would exceed S3's 1024-byte limit."""
+        base = txn.path_of(parent)
+        if base is None:
+            raise FsError(errno.ENOENT, "parent directory was removed")
+        rel = base + b"/" + name if base else name
+        # The directory's own marker key adds "/"; a key below it adds "/" + its path.
+        length = self.key_length(rel) + max(1 if is_dir else 0, subtree_extra)
+        if length > S3_KEY_MAX:
+            raise FsError(
+                errno.ENAMETOOLONG,
+                f"bucket key would be {length} bytes, S3 allows {S3_KEY_MAX}",
+            )

@@ -1,0 +1,331 @@
+"""Namespace transactions: creating, linking, removing, renaming and exchanging names.
+
+Each operation is one fsmeta transaction that also records what the drain must do
+to the bucket (``durability.mark_*``, tombstones for keys that must go).
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from typing import TYPE_CHECKING
+
+from ckptfs.fsmeta import ROOT_INO, FileState, Inode, Txn, durability
+
+from .errors import FsError
+from .lookups import LookupCounts
+from .names import BucketKeys, check_name, longest_below, rel_key
+from .state import CoreState, need_dir, need_inode
+
+if TYPE_CHECKING:
+    from .core import Caller
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class Namespace:
+    def __init__(self, state: CoreState, keys: BucketKeys, lookups: LookupCounts):
+        self._state = state
+        self._keys = keys
+        self._lookups = lookups
+
+    def _new_inode(self, txn: Txn, parent: Inode, mode: int, caller: Caller, now: int) -> Inode:
+        gid = caller.gid
+        if parent.mode & stat.S_ISGID:
+            gid = parent.gid  # BSD group semantics of setgid directories
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return Inode(
+            txn.alloc_ino(),
+            mode,
+            caller.uid,
+            gid,
+            nlink=1,
+            atime_ns=now,
+            mtime_ns=now,
+            ctime_ns=now,
+            state=FileState.DIRTY,
+            parent=parent.ino,
+            generation=1,
+        )
+
+    def _touch_dir(self, txn: Txn, inode: Inode, now: int) -> None:
+        inode.mtime_ns = inode.ctime_ns = now
+        txn.put_inode(inode)
+
+    def _create_node(self, parent: int, name: bytes, mode: int, caller: Caller, *,
+                     target: bytes = b"", rdev: int = 0) -> Inode:
+        check_name(name)
+        now = self._state.clock()
+        is_dir = stat.S_ISDIR(mode)
+
+        def create(txn: Txn) -> Inode:
+            parent_inode = need_dir(txn, parent)
+            if parent_inode.nlink == 0:
+                raise FsError(errno.ENOENT, "parent directory was removed")
+            if txn.lookup(parent, name) is not None:
+                raise FsError(errno.EEXIST)
+            self._keys.check(txn, parent, name, is_dir=is_dir)
+            inode = self._new_inode(txn, parent_inode, mode, caller, now)
+            inode.target = target
+            inode.rdev = rdev
+            if is_dir:
+                inode.nlink = 2
+                parent_inode.nlink += 1
+            if stat.S_ISLNK(mode):
+                inode.size = len(target)
+            txn.put_inode(inode)
+            txn.add_entry(parent, name, inode.ino)
+            if is_dir:
+                # An empty directory is a marker object; its parent no longer needs one.
+                durability.mark_moved(txn, inode.ino, now)
+            else:
+                durability.mark_created(txn, inode, now)
+            self._touch_dir(txn, parent_inode, now)
+            return inode
+
+        inode = self._state.meta.write(create)
+        self._lookups.count(inode.ino)
+        return inode
+
+    def mkdir(self, parent: int, name: bytes, mode: int, caller: Caller) -> Inode:
+        return self._create_node(parent, name, stat.S_IFDIR | (stat.S_IMODE(mode) & ~caller.umask), caller)
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, caller: Caller) -> Inode:
+        if not stat.S_ISREG(mode):
+            # A bucket can hold files, directories and symlinks, nothing else.
+            raise FsError(errno.EPERM, "only regular files, directories and symlinks can be stored")
+        return self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, caller: Caller) -> Inode:
+        if len(target) > 4095:
+            raise FsError(errno.ENAMETOOLONG)
+        return self._create_node(parent, name, stat.S_IFLNK | 0o777, caller, target=target)
+
+    def create_file(self, parent: int, name: bytes, mode: int, caller: Caller) -> Inode:
+        """The name of an O_CREAT open that the kernel found missing; the caller opens it."""
+        inode = self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller)
+        # A power cut can lose the commit that handed out this inode number while its
+        # cache file survived: a new file must never show such leftover bytes.
+        self._state.remove_data(inode.ino)
+        return inode
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        check_name(new_name)
+        now = self._state.clock()
+
+        def link(txn: Txn) -> Inode:
+            inode = need_inode(txn, ino)
+            if inode.is_dir:
+                raise FsError(errno.EPERM, "hard links to directories are not allowed")
+            if inode.nlink == 0:
+                raise FsError(errno.ENOENT)
+            parent_inode = need_dir(txn, new_parent)
+            if parent_inode.nlink == 0:
+                raise FsError(errno.ENOENT)
+            if txn.lookup(new_parent, new_name) is not None:
+                raise FsError(errno.EEXIST)
+            self._keys.check(txn, new_parent, new_name, is_dir=False)
+            inode.nlink += 1
+            inode.ctime_ns = now
+            txn.put_inode(inode)
+            txn.add_entry(new_parent, new_name, ino)
+            durability.mark_moved(txn, ino, now)
+            self._touch_dir(txn, parent_inode, now)
+            return inode
+
+        inode = self._state.meta.write(link)
+        self._lookups.count(ino)
+        return inode
+
+    # -- removing names -----------------------------------------------------------------
+
+    def _drop_link(self, txn: Txn, inode: Inode, now: int) -> None:
+        """One name of ``inode`` is gone; if it was the last, the inode becomes an orphan."""
+        inode.nlink -= 1
+        inode.ctime_ns = now
+        if inode.nlink == 0:
+            txn.forget_remote_object(inode.ino)
+            txn.add_orphan(inode.ino)
+        txn.put_inode(inode)
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        now = self._state.clock()
+
+        def unlink(txn: Txn) -> int:
+            parent_inode = need_dir(txn, parent)
+            ino = txn.lookup(parent, name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            inode = need_inode(txn, ino)
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            key = rel_key(txn, parent, name)
+            txn.remove_entry(parent, name)
+            # Whatever object sits at this name must go (the drain skips it if the
+            # name is live again by then).
+            txn.add_tombstone(key, now_ns=now)
+            if inode.nlink > 1:
+                durability.mark_moved(txn, ino, now)
+            self._drop_link(txn, inode, now)
+            self._touch_dir(txn, parent_inode, now)
+            if parent_inode.ino != ROOT_INO and txn.dir_is_empty(parent):
+                durability.mark_moved(txn, parent, now)  # now needs its marker object
+            return ino
+
+        ino = self._state.meta.write(unlink)
+        self._lookups.maybe_purge(ino)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        now = self._state.clock()
+
+        def rmdir(txn: Txn) -> int:
+            parent_inode = need_dir(txn, parent)
+            ino = txn.lookup(parent, name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            inode = need_inode(txn, ino)
+            if not inode.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not txn.dir_is_empty(ino):
+                raise FsError(errno.ENOTEMPTY)
+            key = rel_key(txn, parent, name)
+            txn.remove_entry(parent, name)
+            txn.add_tombstone(key + "/", now_ns=now)
+            txn.delete_remote(ino)  # its marker protects nothing any more
+            inode.nlink = 0
+            inode.ctime_ns = now
+            txn.clear_pending(ino)
+            txn.add_orphan(ino)
+            txn.put_inode(inode)
+            parent_inode.nlink -= 1
+            self._touch_dir(txn, parent_inode, now)
+            if parent_inode.ino != ROOT_INO and txn.dir_is_empty(parent):
+                durability.mark_moved(txn, parent, now)
+            return ino
+
+        ino = self._state.meta.write(rmdir)
+        self._lookups.maybe_purge(ino)
+
+    # -- rename ------------------------------------------------------------------------
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> None:
+        check_name(new_name)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (
+            flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE
+        ):
+            raise FsError(errno.EINVAL, "unsupported rename flags")
+        now = self._state.clock()
+        victim_box: list[int] = []
+
+        def rename(txn: Txn) -> None:
+            old_dir = need_dir(txn, old_parent)
+            # One object per directory inode, so nlink changes are not lost.
+            new_dir = old_dir if new_parent == old_parent else need_dir(txn, new_parent)
+            ino = txn.lookup(old_parent, old_name)
+            if ino is None:
+                raise FsError(errno.ENOENT)
+            inode = need_inode(txn, ino)
+            target_ino = txn.lookup(new_parent, new_name)
+            target = txn.get_inode(target_ino) if target_ino is not None else None
+
+            if flags & RENAME_EXCHANGE:
+                if target is None:
+                    raise FsError(errno.ENOENT)
+                self._exchange(txn, old_dir, old_name, inode, new_dir, new_name, target, now)
+                return
+            if target is not None and flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if target_ino == ino:
+                return  # both names are links to the same inode: POSIX says do nothing
+            if inode.is_dir:
+                if txn.is_ancestor(ino, new_parent):
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                if target is not None:
+                    if not target.is_dir:
+                        raise FsError(errno.ENOTDIR)
+                    if not txn.dir_is_empty(target.ino):
+                        raise FsError(errno.ENOTEMPTY)
+            elif target is not None and target.is_dir:
+                raise FsError(errno.EISDIR)
+            if target is not None and target.is_dir and txn.is_ancestor(target.ino, old_parent):
+                raise FsError(errno.ENOTEMPTY)
+            extra = longest_below(txn, ino) if inode.is_dir else 0
+            self._keys.check(txn, new_parent, new_name, is_dir=inode.is_dir, subtree_extra=extra)
+
+            old_key = rel_key(txn, old_parent, old_name)
+            if target is not None:
+                txn.remove_entry(new_parent, new_name)
+                if target.is_dir:
+                    txn.add_tombstone(rel_key(txn, new_parent, new_name) + "/", now_ns=now)
+                    txn.delete_remote(target.ino)
+                    target.nlink = 0
+                    target.ctime_ns = now
+                    txn.clear_pending(target.ino)
+                    txn.add_orphan(target.ino)
+                    txn.put_inode(target)
+                    new_dir.nlink -= 1
+                else:
+                    self._drop_link(txn, target, now)
+                victim_box.append(target.ino)
+            txn.remove_entry(old_parent, old_name)
+            txn.add_entry(new_parent, new_name, ino)
+            if inode.is_dir:
+                txn.add_tombstone(old_key + "/", now_ns=now)
+                if old_parent != new_parent:
+                    old_dir.nlink -= 1
+                    new_dir.nlink += 1
+                inode.parent = new_parent
+            else:
+                remote = txn.get_remote(ino)
+                if remote is None or remote.key != old_key:
+                    # The old name may hold an object nobody owns; the drain moves
+                    # the owned one (copy, then delete) itself.
+                    txn.add_tombstone(old_key, now_ns=now)
+            inode.ctime_ns = now
+            txn.put_inode(inode)
+            durability.mark_moved(txn, ino, now)
+            self._touch_dir(txn, old_dir, now)
+            if new_dir is not old_dir:
+                self._touch_dir(txn, new_dir, now)
+            if old_dir.ino != ROOT_INO and txn.dir_is_empty(old_dir.ino):
+                durability.mark_moved(txn, old_dir.ino, now)
+
+        self._state.meta.write(rename)
+        for victim in victim_box:
+            self._lookups.maybe_purge(victim)
+
+    def _exchange(self, txn: Txn, old_dir: Inode, old_name: bytes, a: Inode,
+                  new_dir: Inode, new_name: bytes, b: Inode, now: int) -> None:
+        if a.ino == b.ino:
+            return
+        if a.is_dir and txn.is_ancestor(a.ino, new_dir.ino):
+            raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        if b.is_dir and txn.is_ancestor(b.ino, old_dir.ino):
+            raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        extra_a = longest_below(txn, a.ino) if a.is_dir else 0
+        extra_b = longest_below(txn, b.ino) if b.is_dir else 0
+        self._keys.check(txn, new_dir.ino, new_name, is_dir=a.is_dir, subtree_extra=extra_a)
+        self._keys.check(txn, old_dir.ino, old_name, is_dir=b.is_dir, subtree_extra=extra_b)
+        txn.remove_entry(old_dir.ino, old_name)
+        txn.remove_entry(new_dir.ino, new_name)
+        txn.add_entry(new_dir.ino, new_name, a.ino)
+        txn.add_entry(old_dir.ino, old_name, b.ino)
+        if old_dir.ino != new_dir.ino:
+            if a.is_dir:
+                a.parent = new_dir.ino
+                old_dir.nlink -= 1
+                new_dir.nlink += 1
+            if b.is_dir:
+                b.parent = old_dir.ino
+                new_dir.nlink -= 1
+                old_dir.nlink += 1
+        for inode in (a, b):
+            inode.ctime_ns = now
+            txn.put_inode(inode)
+            durability.mark_moved(txn, inode.ino, now)
+        self._touch_dir(txn, old_dir, now)
+        if new_dir.ino != old_dir.ino:
+            self._touch_dir(txn, new_dir, now)
+
