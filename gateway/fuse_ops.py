@@ -7,10 +7,12 @@ exception into EIO, a log line and a counter.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
+import time
 
 import pyfuse3
 import trio
@@ -50,6 +52,10 @@ def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     return entry
 
 
+def _errname(code: int) -> str:
+    return errno.errorcode.get(code, str(code))
+
+
 class CkptOperations(pyfuse3.Operations):
     # Measured: the kernel writeback cache lets writes arrive as 1 MiB requests and
     # return to the writer at page-cache speed (docs/DESIGN.md).
@@ -61,24 +67,39 @@ class CkptOperations(pyfuse3.Operations):
         self.core = core
         self.fsync_hook = fsync_hook  # --fsync=remote: awaited after a local fsync
 
-    async def _call(self, op: str, fn, *args):
-        metrics.FUSE_OPS.labels(op).inc()
+    @contextlib.asynccontextmanager
+    async def _answering(self, op: str):
+        """Count and time one request, and turn whatever it raises into the errno FUSE answers.
+
+        pyfuse3 handles only FUSEError: anything else would end its main loop.
+        """
+        metrics.FUSE_REQUESTS.labels(op).inc()
+        start = time.perf_counter()
         try:
-            return await trio.to_thread.run_sync(functools.partial(fn, *args))
+            yield
+        except pyfuse3.FUSEError as exc:
+            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
+            raise
         except FsError as exc:
-            metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(exc.errno, str(exc.errno))).inc()
+            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
             # Cache-device errors (ENOSPC, EIO) are passed through as they are.
             code = exc.errno or errno.EIO
-            metrics.FUSE_ERRORS.labels(op, errno.errorcode.get(code, str(code))).inc()
+            metrics.FUSE_ERRORS.labels(op, _errname(code)).inc()
             log.warning("%s: cache I/O error: %s", op, exc)
             raise pyfuse3.FUSEError(code) from None
         except Exception:
             metrics.FUSE_UNEXPECTED.labels(op).inc()
             metrics.FUSE_ERRORS.labels(op, "EIO").inc()
-            log.exception("%s%r failed unexpectedly; answered EIO", op, args[:3])
+            log.exception("%s failed unexpectedly; answered EIO", op)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            metrics.FUSE_SECONDS.labels(op).observe(time.perf_counter() - start)
+
+    async def _call(self, op: str, fn, *args):
+        async with self._answering(op):
+            return await trio.to_thread.run_sync(functools.partial(fn, *args))
 
     # -- names and attributes ---------------------------------------------------------
 
@@ -157,8 +178,8 @@ class CkptOperations(pyfuse3.Operations):
         await self._call("release", self.core.release, fh)
 
     async def fsync(self, fh, datasync):
-        with metrics.FSYNC_SECONDS.time():
-            await self._call("fsync", self.core.fsync, fh, datasync)
+        async with self._answering("fsync"):
+            await trio.to_thread.run_sync(self.core.fsync, fh, datasync)
             if self.fsync_hook is not None:
                 await self.fsync_hook(self.core, fh)
 
@@ -206,7 +227,7 @@ class CkptOperations(pyfuse3.Operations):
             # FUSE clears SB_NOSEC, so the kernel asks for security.capability before
             # every write(2). Only user.* attributes exist here: answer at once, without a
             # worker-thread hop and an LMDB transaction per write(2).
-            metrics.FUSE_OPS.labels("getxattr").inc()
+            metrics.FUSE_REQUESTS.labels("getxattr").inc()
             raise pyfuse3.FUSEError(errno.ENODATA)
         return await self._call("getxattr", self.core.getxattr, inode, name)
 

@@ -1,49 +1,51 @@
-"""Prometheus metrics of the gateway (served on 127.0.0.1:9810 unless configured)."""
+"""Prometheus metrics of a node: the gateway's own, plus the drain's and the cache's, read
+from fsmeta at scrape time (:class:`ckptfs.drain.metrics.DrainCollector`). Served on
+127.0.0.1:9810 unless configured. The full list is in docs/OPERATIONS.md.
+"""
 
 from __future__ import annotations
 
-import logging
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-log = logging.getLogger("ckptfs.metrics")
+from ckptfs import __version__
+from ckptfs.drain import metrics as drain_metrics
+from ckptfs.fsmeta import MetaStore
+from ckptfs.fsmeta.layout import CacheDir
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-FUSE_OPS = Counter("ckptfs_fuse_ops", "FUSE requests served, by operation", ["op"], registry=REGISTRY)
+FUSE_REQUESTS = Counter("ckptfs_fuse_requests_total", "FUSE requests served, by operation", ["op"],
+                        registry=REGISTRY)
 FUSE_ERRORS = Counter(
-    "ckptfs_fuse_errors", "FUSE requests answered with an error, by operation and errno name",
+    "ckptfs_fuse_errors_total", "FUSE requests answered with an error, by operation and errno name",
     ["op", "errno"], registry=REGISTRY,
 )
 FUSE_UNEXPECTED = Counter(
-    "ckptfs_fuse_unexpected_errors",
+    "ckptfs_fuse_unexpected_errors_total",
     "Handler exceptions that were not a filesystem error (answered EIO, logged)", ["op"], registry=REGISTRY,
 )
-WRITE_BYTES = Counter("ckptfs_write_bytes", "Bytes written through the mount", registry=REGISTRY)
-READ_BYTES = Counter("ckptfs_read_bytes", "Bytes read through the mount", registry=REGISTRY)
-FSYNC_SECONDS = Histogram(
-    "ckptfs_fsync_seconds", "Time fsync took", registry=REGISTRY,
-    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300),
+FUSE_SECONDS = Histogram(
+    "ckptfs_fuse_request_duration_seconds", "Seconds to answer a FUSE request, by operation", ["op"],
+    registry=REGISTRY, buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300),
 )
-BACKPRESSURE_SECONDS = Counter(
-    "ckptfs_backpressure_wait_seconds", "Seconds writers waited for cache space", registry=REGISTRY,
-)
-CACHE_USED_BYTES = Gauge("ckptfs_cache_used_bytes", "Bytes of the cache device used by cache files",
-                         registry=REGISTRY)
+WRITE_BYTES = Counter("ckptfs_write_bytes_total", "Bytes written through the mount", registry=REGISTRY)
+READ_BYTES = Counter("ckptfs_read_bytes_total", "Bytes read through the mount", registry=REGISTRY)
+DATA_PATH = Gauge("ckptfs_data_path", "1 for the data path this gateway runs: passthrough or writeback",
+                  ["mode"], registry=REGISTRY)
+BUILD_INFO = Gauge("ckptfs_build_info", "Always 1; the version of ckptfs serving these metrics", ["version"],
+                   registry=REGISTRY)
+BUILD_INFO.labels(__version__).set(1)
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"metrics_addr: expected HOST:PORT, got {addr!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+def watch_cache(cache_dir: str, meta: MetaStore) -> None:
+    """Also serve the backlog, uploads and cache use of this cache directory."""
+    REGISTRY.register(drain_metrics.DrainCollector(CacheDir(cache_dir), meta))
 
 
-def serve(addr: str) -> None:
-    """Start the /metrics endpoint in a background thread; a busy port is logged, not fatal."""
-    host, port = parse_addr(addr)
-    try:
-        start_http_server(port, addr=host, registry=REGISTRY)
-        log.info("metrics on http://%s:%d/metrics", host, port)
-    except OSError as exc:
-        log.warning("metrics endpoint %s not started: %s", addr, exc)
+def set_data_path(mode: str) -> None:
+    for other in ("passthrough", "writeback"):
+        DATA_PATH.labels(other).set(1 if other == mode else 0)
+
+
+def serve(addr: str) -> bool:
+    return drain_metrics.serve(addr, REGISTRY)

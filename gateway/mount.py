@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -69,9 +70,26 @@ class MountError(Exception):
 
 
 def prepare_cache_dir(path: str) -> None:
+    """Create the cache directory private (0700), or accept an existing one only if it is
+    ours and nobody else can write to it: every user's data passes through it, and a
+    shared directory (``--cache-dir /var/tmp``) must neither be used nor have its mode changed."""
     try:
-        CacheDir(path).make_dirs()
-        os.chmod(path, 0o700)  # data of every user lives here: keep it private
+        st = os.stat(path)
+    except OSError:
+        st = None  # missing (or below a non-directory): creating it says why not
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise MountError(f"cache directory {path}: not a directory")
+        if st.st_uid != os.geteuid():
+            raise MountError(f"cache directory {path}: owned by uid {st.st_uid}, not by this user "
+                             f"(uid {os.geteuid()}); use a directory of your own")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise MountError(f"cache directory {path}: writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                             "use a private directory, e.g. a new one below it")
+    cache = CacheDir(path)
+    try:
+        cache.make_dirs()
+        os.chmod(cache.data_dir, 0o700)  # the data itself stays private whatever the parent's mode
     except OSError as exc:
         raise MountError(f"cache directory {path}: cannot create it: {exc.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):
@@ -205,6 +223,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
     meta.write(lambda txn: txn.put_gateway_status(
         {"pid": os.getpid(), "mountpoint": mountpoint, "data_path": "writeback", "started_ns": time.time_ns()}))
+    metrics.watch_cache(settings.cache_dir, meta)
+    metrics.set_data_path("writeback")
     metrics.serve(settings.metrics_addr)
     supervisor.start()
     log.info("mounted %s on %s (cache %s)", settings.bucket_url, mountpoint, settings.cache_dir)
@@ -254,7 +274,8 @@ def run_daemon(argv: list[str], settings: Settings, timeout: float = 60.0) -> in
         return 1
     read_fd, write_fd = os.pipe()
     log_path = CacheDir(settings.cache_dir).gateway_log
-    with open(log_path, "ab") as log_file:
+    # 0600: the log names files of every user of the mount.
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "ab") as log_file:
         child = subprocess.Popen(
             [sys.executable, "-m", "ckptfs", *argv, "--foreground", "--ready-fd", str(write_fd)],
             stdin=subprocess.DEVNULL,

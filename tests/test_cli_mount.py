@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -79,6 +80,35 @@ def test_cache_dir_that_cannot_be_created(dirs):
     (dirs / "plain_file").write_text("x")
     line = refused(mount_cmd(dirs, cache=dirs / "plain_file" / "cache"))
     assert "cache directory" in line and "plain_file/cache" in line and "cannot create" in line
+
+
+def test_shared_or_foreign_cache_dir_is_refused_and_left_as_it_was(dirs):
+    shared = dirs / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /var/tmp
+    line = refused(mount_cmd(dirs, cache=shared))
+    assert "cache directory" in line and "writable by others" in line
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and list(shared.iterdir()) == []
+
+    foreign = dirs / "foreign"
+    foreign.mkdir(mode=0o755)
+    os.chown(foreign, 4242, 4242)
+    line = refused(mount_cmd(dirs, cache=foreign))
+    assert "cache directory" in line and "owned by uid 4242" in line
+    assert list(foreign.iterdir()) == []
+
+
+def test_new_cache_dir_is_private(dirs):
+    cache = dirs / "new" / "cache"
+    result = subprocess.run(mount_cmd(dirs, cache=cache, foreground=False), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    try:
+        assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+        assert stat.S_IMODE((cache / "data").stat().st_mode) == 0o700
+        assert stat.S_IMODE((cache / "gateway.log").stat().st_mode) == 0o600
+    finally:
+        subprocess.run([*ckptfs_cmd(), "umount", str(dirs / "mnt")], capture_output=True, timeout=60)
 
 
 def test_cache_dir_with_unusable_fsmeta(dirs):

@@ -85,3 +85,27 @@ def test_create_passes_the_caller(core):
     assert (entry.st_uid, entry.st_gid, entry.st_mode & 0o777) == (1000, 1000, 0o644)
     run(ops.release, info.fh)
 
+
+
+def test_a_failing_fsync_remote_hook_answers_eio_and_the_loop_survives(core):
+    """The --fsync=remote wait runs after the local fsync; a bug there must not end pyfuse3.main()."""
+
+    async def broken_hook(core, fh):
+        raise RuntimeError("simulated bug in the remote wait")
+
+    ops = CkptOperations(core, fsync_hook=broken_hook)
+    fh, _ = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    before = counter(metrics.FUSE_UNEXPECTED, "fsync")
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        run(ops.fsync, fh, False)
+    assert exc.value.errno == errno.EIO
+    assert counter(metrics.FUSE_UNEXPECTED, "fsync") == before + 1
+    core.release(fh)
+
+
+def test_every_request_is_timed_by_operation(core):
+    ops = CkptOperations(core)
+    run(ops.getattr, ROOT, Ctx())
+    samples = {s.name: s.value for s in metrics.FUSE_SECONDS.collect()[0].samples
+               if s.labels.get("op") == "getattr"}
+    assert samples["ckptfs_fuse_request_duration_seconds_count"] >= 1

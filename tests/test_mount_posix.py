@@ -147,7 +147,7 @@ def test_fsync_puts_data_and_size_on_the_cache_device(mnt, shared_gateway):
 
 def _ops(gw, op: str) -> float:
     for line in gw.metrics().splitlines():
-        if line.startswith(f'ckptfs_fuse_ops_total{{op="{op}"}}'):
+        if line.startswith(f'ckptfs_fuse_requests_total{{op="{op}"}}'):
             return float(line.split()[-1])
     return 0.0
 
