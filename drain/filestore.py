@@ -54,13 +54,13 @@ import trio
 from . import localio
 from .store import (
     ListResult,
-    NotSupportedError,
     ObjectInfo,
     ObjectStore,
     ObjectSummary,
     PartRecord,
     PutResult,
     StoreError,
+    StoreLimits,
     UploadInfo,
     make_error,
     normalize_etag,
@@ -104,9 +104,9 @@ class _LocalError(Exception):
 
 
 class FileStore(ObjectStore):
-    min_part_size = 1
-    max_part_size = 1 << 62
-    max_put_size = 1 << 62
+    #: parts and PUTs are plain files: no size limits beyond the filesystem's;
+    #: tags and storage classes are recorded in the metadata record; no bucket lifecycle
+    limits = StoreLimits(min_part_size=1, max_part_size=1 << 62, max_parts=10_000, max_put_size=1 << 62)
 
     def __init__(self, root: str, *, checksum: str = "auto", meta_mode: str = "auto"):
         if meta_mode not in ("auto", "xattr", "sidecar"):
@@ -613,8 +613,8 @@ class FileStore(ObjectStore):
         return await self._run(create, op="CreateMultipartUpload", key=key)
 
     async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
-        if not 1 <= part_number <= self.max_parts:
-            raise ValueError(f"part number {part_number} out of range 1..{self.max_parts}")
+        if not 1 <= part_number <= self.limits.max_parts:
+            raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         src = os.fspath(path)
 
         def up():
@@ -796,9 +796,6 @@ class FileStore(ObjectStore):
         _fsync_dir(os.path.dirname(path))
         self._prune_dirs(os.path.dirname(path))
 
-    async def delete(self, key: str) -> None:
-        await self._run(self._delete_sync, key, op="DeleteObject", key=key)
-
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
         keys = list(keys)
         for k in keys:
@@ -902,12 +899,6 @@ class FileStore(ObjectStore):
             self._update_rec(path, new)
 
         await self._run(pt, op="PutObjectTagging", key=key)
-
-    async def get_bucket_lifecycle(self) -> list[dict]:
-        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="GetBucketLifecycleConfiguration")
-
-    async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
-        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="PutBucketLifecycleConfiguration")
 
 
 def _unlink_quiet(p: str) -> None:

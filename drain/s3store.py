@@ -49,6 +49,7 @@ from .store import (
     ObjectSummary,
     PartRecord,
     PutResult,
+    S3_LIMITS,
     StoreError,
     UploadInfo,
     collapse_exception_group,
@@ -169,6 +170,7 @@ _STATUS_CODES = {
 
 
 class S3Store(ObjectStore):
+    limits = S3_LIMITS
     #: keys per ListObjectsV2 page (S3 maximum: 1000)
     list_page_size = 1000
 
@@ -209,8 +211,8 @@ class S3Store(ObjectStore):
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._verify = verify_tls
-        self.multipart_copy_threshold = multipart_copy_threshold or self.max_put_size
-        if not (self.min_part_size <= copy_part_size <= self.max_part_size):
+        self.multipart_copy_threshold = multipart_copy_threshold or self.limits.max_put_size
+        if not (self.limits.min_part_size <= copy_part_size <= self.limits.max_part_size):
             raise ValueError("copy_part_size must be within 5 MiB..5 GiB")
         self.copy_part_size = copy_part_size
         self._explicit_creds = (aws_access_key_id, aws_secret_access_key, aws_session_token)
@@ -546,7 +548,7 @@ class S3Store(ObjectStore):
         else:
             src = os.fspath(data)
             size = (await trio.to_thread.run_sync(os.stat, src)).st_size
-        if size > self.max_put_size:
+        if size > self.limits.max_put_size:
             raise ValueError(f"put_object of {size} bytes exceeds the single-PUT limit; use multipart")
         buf, body, ck = await self._read_into_body(src, 0, size)
         try:
@@ -585,10 +587,10 @@ class S3Store(ObjectStore):
         return r["UploadId"]
 
     async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
-        if not 1 <= part_number <= self.max_parts:
-            raise ValueError(f"part number {part_number} out of range 1..{self.max_parts}")
-        if length > self.max_part_size:
-            raise ValueError(f"part of {length} bytes exceeds {self.max_part_size}")
+        if not 1 <= part_number <= self.limits.max_parts:
+            raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
+        if length > self.limits.max_part_size:
+            raise ValueError(f"part of {length} bytes exceeds {self.limits.max_part_size}")
         full = self._k(key)
         buf, body, ck = await self._read_into_body(os.fspath(path), offset, length)
         try:
@@ -721,8 +723,8 @@ class S3Store(ObjectStore):
         )
         ps = self.copy_part_size
         ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
-        if len(ranges) > self.max_parts:
-            ps = -(-info.size // self.max_parts)
+        if len(ranges) > self.limits.max_parts:
+            ps = -(-info.size // self.limits.max_parts)
             ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
         parts: list[PartRecord] = []
         limiter = trio.Semaphore(self.concurrency)
@@ -766,14 +768,6 @@ class S3Store(ObjectStore):
             if e.code not in ("AccessDenied", "NotImplemented", "NotSupported"):
                 raise
         return res
-
-    async def delete(self, key: str) -> None:
-        try:
-            await self._call("DeleteObject", key, Bucket=self.bucket, Key=self._k(key))
-        except StoreError as e:
-            if e.code == "NoSuchKey" or e.status == 404:
-                return
-            raise
 
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
         keys = list(keys)

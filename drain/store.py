@@ -45,6 +45,8 @@ __all__ = [
     "PartRecord",
     "PutResult",
     "UploadInfo",
+    "StoreLimits",
+    "S3_LIMITS",
     "ObjectStore",
     "validate_key",
     "validate_metadata",
@@ -407,6 +409,42 @@ def normalize_etag(etag: str | None) -> str:
 
 
 # --------------------------------------------------------------------------
+# capabilities
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """What a store can do, declared rather than emulated (cf. JuiceFS'
+    object ``Limits``).  Callers size uploads from the part limits and check
+    the flags before relying on a feature."""
+
+    #: smallest allowed part (except the last)
+    min_part_size: int
+    max_part_size: int
+    max_parts: int
+    #: largest single PUT
+    max_put_size: int
+    #: per-object tags (get_tags/put_tags)
+    tags: bool = True
+    #: storage classes are recorded on put/copy and reported by head/list
+    storage_classes: bool = True
+    #: bucket lifecycle rules (get/put_bucket_lifecycle)
+    bucket_lifecycle: bool = False
+    #: ``copy(..., if_match=etag)`` fails with PreconditionFailedError if the source changed
+    conditional_copy: bool = True
+
+
+#: AWS values; radosgw uses the same defaults.
+S3_LIMITS = StoreLimits(
+    min_part_size=S3_MIN_PART_SIZE,
+    max_part_size=S3_MAX_PART_SIZE,
+    max_parts=S3_MAX_PARTS,
+    max_put_size=S3_MAX_PUT_SIZE,
+    bucket_lifecycle=True,
+)
+
+
+# --------------------------------------------------------------------------
 # interface
 
 
@@ -422,12 +460,8 @@ class ObjectStore(abc.ABC):
     #: ``"CRC64NVME"``, ``"SHA256"``) or None (md5/none modes).  PartRecords of
     #: an upload made with a different algorithm cannot be resumed.
     checksum_algorithm: str | None = None
-    #: smallest allowed part (except the last); 5 MiB for S3
-    min_part_size: int = S3_MIN_PART_SIZE
-    max_part_size: int = S3_MAX_PART_SIZE
-    max_parts: int = S3_MAX_PARTS
-    #: largest single PUT / single CopyObject
-    max_put_size: int = S3_MAX_PUT_SIZE
+    #: part/PUT size limits and optional features
+    limits: StoreLimits
 
     async def __aenter__(self):
         await self.open()
@@ -508,7 +542,7 @@ class ObjectStore(abc.ABC):
     ) -> PutResult:
         """Single PUT of ``data`` (bytes, or the whole content of the file at
         a path) with the store's checksum.  Atomic: readers see the old or the
-        new object.  Size must be <= :attr:`max_put_size`; meant for small
+        new object.  Size must be <= ``limits.max_put_size``; meant for small
         files (< part size)."""
 
     @abc.abstractmethod
@@ -566,14 +600,16 @@ class ObjectStore(abc.ABC):
         """Server-side copy.  ``metadata=None`` keeps the source's metadata,
         otherwise it is replaced (tags are kept either way).  As with S3
         CopyObject, ``storage_class=None`` means the default (STANDARD), not
-        the source's class.  Objects larger than :attr:`max_put_size`
-        are copied with a multipart UploadPartCopy.  ``if_match``: source etag
+        the source's class.  S3 copies large objects with a multipart
+        UploadPartCopy.  ``if_match``: source etag
         precondition (:class:`PreconditionFailedError` if it changed).  Copying
         a key onto itself with new metadata/storage class is allowed."""
 
-    @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Delete (idempotent)."""
+        failed = await self.delete_many([key])
+        if failed:
+            raise failed[key]
 
     @abc.abstractmethod
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
@@ -613,12 +649,12 @@ class ObjectStore(abc.ABC):
     async def put_tags(self, key: str, tags: Mapping[str, str]) -> None:
         """Replace the object's tag set."""
 
-    @abc.abstractmethod
     async def get_bucket_lifecycle(self) -> list[dict]:
         """Lifecycle rules in boto3 shape (``[]`` if none).
-        :class:`NotSupportedError` on file://."""
+        :class:`NotSupportedError` unless ``limits.bucket_lifecycle``."""
+        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="GetBucketLifecycleConfiguration")
 
-    @abc.abstractmethod
     async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
         """Replace the bucket lifecycle (boto3 ``Rules`` shape; an empty list
-        deletes it).  :class:`NotSupportedError` on file://."""
+        deletes it).  :class:`NotSupportedError` unless ``limits.bucket_lifecycle``."""
+        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="PutBucketLifecycleConfiguration")
