@@ -25,7 +25,6 @@ def open_store(
     verify_tls: bool | str = True,
     multipart_copy_threshold: int | None = None,
     copy_part_size: int = 512 * MiB,
-    file_meta: str = "auto",
 ) -> ObjectStore:
     """Create (but do not connect) a store for ``bucket_url``.
 
@@ -47,8 +46,7 @@ def open_store(
     * ``multipart_copy_threshold``: copy() uses UploadPartCopy above this size
       (default 5 GiB, the CopyObject limit); ``copy_part_size`` per copied part.
 
-    file:// options: ``file_meta``: ``auto`` (xattrs if supported, else sidecar
-    files), ``xattr`` or ``sidecar``.  ``checksum`` is used for part checksums.
+    file:// stores use only ``checksum`` (for part checksums).
     """
     u = parse_store_url(bucket_url)
     if checksum not in CHECKSUMS:
@@ -73,7 +71,7 @@ def open_store(
             multipart_copy_threshold=multipart_copy_threshold,
             copy_part_size=copy_part_size,
         )
-    return FileStore(u.path, checksum=checksum, meta_mode=file_meta)
+    return FileStore(u.path, checksum=checksum)
 
 
 def open_store_for(settings: Settings) -> ObjectStore:

@@ -38,6 +38,7 @@ __all__ = [
     "NoSuchUploadError",
     "NotSupportedError",
     "PreconditionFailedError",
+    "InvalidObjectNameError",
     "is_retryable",
     "ObjectSummary",
     "ObjectInfo",
@@ -121,6 +122,7 @@ PERMANENT_CODES = frozenset(
         "NotSupported",
         "KeyConflict",
         "InvalidObjectState",
+        "InvalidObjectName",
     }
 )
 
@@ -209,6 +211,17 @@ class PreconditionFailedError(StoreError):
     """If-Match / CopySourceIfMatch failed: the object changed underneath us."""
 
 
+class InvalidObjectNameError(StoreError, ValueError):
+    """A key this store cannot hold (file://: a ``.``/``..``/empty path
+    component, or a component starting with the reserved ``.ckptfs-``).
+    Permanent; also a ValueError, since retrying the same key cannot help."""
+
+    def __init__(self, message: str, **kw):
+        kw.setdefault("code", "InvalidObjectName")
+        kw.setdefault("retryable", False)
+        super().__init__(message, **kw)
+
+
 _ERROR_CLASSES: dict[str, type[StoreError]] = {
     "NoSuchKey": NotFoundError,
     "NoSuchBucket": NotFoundError,
@@ -216,6 +229,7 @@ _ERROR_CLASSES: dict[str, type[StoreError]] = {
     "NotSupported": NotSupportedError,
     "NotImplemented": NotSupportedError,
     "PreconditionFailed": PreconditionFailedError,
+    "InvalidObjectName": InvalidObjectNameError,
 }
 
 
