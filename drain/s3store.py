@@ -196,6 +196,25 @@ class S3Store(ObjectStore):
         aws_secret_access_key: str | None = None,
         aws_session_token: str | None = None,
     ):
+        """Options (usually given through :func:`drain.factory.open_store`):
+
+        * ``endpoint_url``: e.g. ``http://127.0.0.1:7480`` for radosgw; default AWS.
+        * ``region``: default ``$AWS_REGION`` / ``$AWS_DEFAULT_REGION`` / profile / ``us-east-1``.
+        * ``checksum``: one of :data:`ckptfs.fsmeta.settings.CHECKSUMS`.
+        * ``concurrency``: expected parallel requests; sizes the HTTP connection
+          pool (``concurrency + 4`` connections unless ``max_pool_connections``
+          is given) and the part-buffer pool.
+        * ``profile``: AWS shared-config profile (else the default chain).
+        * ``addressing_style``: ``path``/``virtual``/``auto``; default ``path`` when
+          ``endpoint_url`` is given, else ``auto``.
+        * ``sign_payload``: SigV4-sign part/PUT bodies with their SHA-256
+          (computed off the loop).  Default False: bodies are sent as
+          ``UNSIGNED-PAYLOAD`` and integrity is carried by ``checksum``.
+        * ``multipart_copy_threshold``: copy() uses UploadPartCopy above this
+          size (default ``limits.max_put_size``, the CopyObject limit);
+          ``copy_part_size`` per copied part.
+        * ``aws_*``: explicit credentials (else the default chain).
+        """
         self.bucket = bucket
         self.prefix = prefix  # "" or "a/b/"
         self.endpoint_url = endpoint_url

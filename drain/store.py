@@ -288,14 +288,10 @@ class ObjectSummary:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """Result of :meth:`ObjectStore.head`."""
+class ObjectInfo(ObjectSummary):
+    """Result of :meth:`ObjectStore.head`: a listing entry plus what only a
+    HEAD returns."""
 
-    key: str
-    size: int
-    etag: str
-    last_modified: _dt.datetime
-    storage_class: str | None = None
     #: user metadata (``x-amz-meta-*``), keys lower-case, e.g. blake3/mode/uid/gid/mtime
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     content_type: str | None = None
@@ -303,10 +299,6 @@ class ObjectInfo:
     checksums: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Glacier/deep-archive restore status header, if any (``x-amz-restore``)
     restore: str | None = None
-
-    @property
-    def is_dir_marker(self) -> bool:
-        return self.key.endswith("/")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
