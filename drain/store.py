@@ -1,4 +1,5 @@
-"""Object-store interface used by the drain (uploads) and the gateway (ranged reads).
+"""Object-store interface used by the drain (uploads), the read path (ranged
+reads) and the lifecycle engine (listing, tags, copies, bucket rules).
 
 Everything here is async and meant to run under **trio**.  Implementations never
 do disk I/O or hashing on the event loop thread: they use
@@ -14,10 +15,19 @@ Two implementations:
 * ``s3://bucket[/prefix]`` -> :class:`drain.s3store.S3Store` (aiobotocore + httpx)
 * ``file:///abs/dir``      -> :class:`drain.filestore.FileStore`
 
+(:func:`drain.factory.open_store` picks one from a URL.)  What differs between
+them is declared, not emulated: each sets :attr:`ObjectStore.limits`, a
+:class:`StoreLimits` with its part/PUT size limits and which optional features
+(tags, storage classes, bucket lifecycle, conditional copy) it has.  Methods
+with one implementation for every store (``list``, ``delete``, the
+not-supported bucket-lifecycle calls) live in :class:`ObjectStore`.
+
 Errors: every failure is a :class:`StoreError` (or subclass) carrying the S3
 error ``code`` (``"AccessDenied"``, ``"NoSuchBucket"``, ``"SlowDown"`` ...) and a
 ``retryable`` flag computed by :func:`is_retryable`.  Programming errors (bad
-arguments) raise ``ValueError``/``TypeError`` instead.
+arguments) raise ``ValueError``/``TypeError`` instead; a well-formed key that a
+store cannot hold raises :class:`InvalidObjectNameError` (a permanent
+StoreError that is also a ValueError).
 """
 
 from __future__ import annotations
@@ -492,7 +502,7 @@ class ObjectStore(abc.ABC):
     async def check_access(self, *, write: bool = False) -> None:
         """Verify that the bucket (dir) exists and credentials work, by listing
         one key under the prefix; with ``write=True`` also PUT+DELETE a probe
-        object ``.ckptfs-probe/<random>``.  Raises :class:`StoreError` whose
+        object ``.ckptfs-probe/<random>`` (file://: create and remove a temp file).  Raises :class:`StoreError` whose
         message names the bucket and endpoint and whose ``code`` is the S3
         error code (``NoSuchBucket``, ``AccessDenied``, ``InvalidAccessKeyId``,
         ``SignatureDoesNotMatch``, ``NoCredentials``, ``ConnectionError``)."""
