@@ -7,17 +7,18 @@ Layout under the root directory ``D``:
   ``"marker": true`` (a plain directory that is not a marker is just a
   "prefix" and is not listed as an object, like in S3)
 * metadata record (JSON: user metadata, etag, storage class, content type,
-  tags, checksum, marker flag):
+  tags, checksum, marker flag) in a sidecar file ``D/a/b/.ckptfs-m.c`` (and
+  ``D/a/b/.ckptfs-m`` for the marker of ``a/b/``), recording the inode number
+  of the data file it describes.  It is written after the data rename; a
+  crash in between leaves the *new* object with no metadata (the record's
+  inode does not match), never with wrong metadata, and the put had not
+  returned so the caller retries it.
 
-  - ``xattr`` mode (default when the filesystem supports user xattrs): one
-    xattr ``user.ckptfs.meta`` on the file/dir.  It is set on the temp file
-    *before* the rename, so data and metadata are published atomically.
-  - ``sidecar`` mode (fallback, e.g. NFSv3): ``D/a/b/.ckptfs-m.c`` (and
-    ``D/a/b/.ckptfs-m`` for the marker of ``a/b/``), recording the inode
-    number of the data file it describes.  It is written after the data
-    rename; a crash in between leaves the *new* object with no metadata (the
-    record's inode does not match), never with wrong metadata, and the put
-    had not returned so the caller retries it.
+  Why sidecar files and not extended attributes: the bucket directory stays
+  a plain tree of files that any tool can read, back up and copy (``cp -r``,
+  ``rsync -a``, ``tar`` keep sidecars but drop xattrs unless told to), and it
+  works on every filesystem users point it at: ext4/xfs, Lustre, and NFS,
+  which has no user xattrs before NFSv4.2.  There is one metadata mode.
 
 * multipart uploads: ``D/.ckptfs-multipart/<upload_id>/upload.json`` plus part
   files ``00001`` and their records ``00001.json``; complete concatenates the
@@ -27,9 +28,11 @@ Layout under the root directory ``D``:
   directory, fsyncs it, renames it over the key and fsyncs the directory: a
   crash never leaves a partial object.
 
-Path components starting with ``.ckptfs-`` are reserved (rejected as keys and
-never listed).  Limitation vs S3: a key cannot be both an object and a prefix
-(``a`` and ``a/b``): that raises ``StoreError(code="KeyConflict")``.
+Path components starting with ``.ckptfs-`` are reserved for sidecars, temp
+files and uploads (never listed); a key using one, or with an empty, ``.`` or
+``..`` component, raises :class:`~drain.store.InvalidObjectNameError`.
+Limitation vs S3: a key cannot be both an object and a prefix (``a`` and
+``a/b``): that raises ``StoreError(code="KeyConflict")``.
 
 ETags are opaque: blake3 of the content (first 128 bits, hex) for puts,
 ``blake3(part etags)-N`` for multipart objects; copies keep the source etag.
@@ -44,7 +47,6 @@ import os
 import secrets
 import shutil
 import stat
-import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
@@ -53,14 +55,15 @@ import trio
 
 from . import localio
 from .store import (
+    InvalidObjectNameError,
     ListResult,
-    NotSupportedError,
     ObjectInfo,
     ObjectStore,
     ObjectSummary,
     PartRecord,
     PutResult,
     StoreError,
+    StoreLimits,
     UploadInfo,
     make_error,
     normalize_etag,
@@ -72,7 +75,6 @@ from .store import (
 __all__ = ["FileStore"]
 
 RESERVED = ".ckptfs-"
-XATTR_NAME = "user.ckptfs.meta"
 MULTIPART_DIR = ".ckptfs-multipart"
 SIDECAR_PREFIX = ".ckptfs-m"
 COPY_CHUNK = 4 << 20
@@ -104,20 +106,15 @@ class _LocalError(Exception):
 
 
 class FileStore(ObjectStore):
-    min_part_size = 1
-    max_part_size = 1 << 62
-    max_put_size = 1 << 62
+    #: parts and PUTs are plain files: no size limits beyond the filesystem's;
+    #: tags and storage classes are recorded in the sidecar; no bucket lifecycle
+    limits = StoreLimits(min_part_size=1, max_part_size=1 << 62, max_parts=10_000, max_put_size=1 << 62)
 
-    def __init__(self, root: str, *, checksum: str = "auto", meta_mode: str = "auto"):
-        if meta_mode not in ("auto", "xattr", "sidecar"):
-            raise ValueError("file_meta must be auto, xattr or sidecar")
+    def __init__(self, root: str, *, checksum: str = "auto"):
         self.root = os.path.abspath(root)
         self.url = f"file://{self.root}"
         self.checksum_mode = localio.resolve_checksum_mode(checksum)
         self.checksum_algorithm, self._new_checksum = localio.checksum_factory(self.checksum_mode)
-        self._meta_mode_req = meta_mode
-        self.meta_mode: str | None = None if meta_mode == "auto" else meta_mode
-        self._lock = threading.Lock()
         self.multipart_root = os.path.join(self.root, MULTIPART_DIR)
 
     # ------------------------------------------------------------------
@@ -125,7 +122,6 @@ class FileStore(ObjectStore):
 
     async def _run(self, fn, *args, op: str = "", key: str | None = None):
         def wrapped():
-            self._ensure_meta_mode()
             try:
                 return fn(*args)
             except StoreError:
@@ -159,42 +155,21 @@ class FileStore(ObjectStore):
 
         return await trio.to_thread.run_sync(wrapped)
 
-    def _ensure_meta_mode(self) -> None:
-        if self.meta_mode is not None:
-            return
-        with self._lock:
-            if self.meta_mode is not None:
-                return
-            if not os.path.isdir(self.root):
-                return  # decided on first use once the dir exists
-            probe = os.path.join(self.root, f"{RESERVED}tmp.probe.{secrets.token_hex(4)}")
-            try:
-                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                try:
-                    os.setxattr(fd, XATTR_NAME, b"{}")
-                    self.meta_mode = "xattr"
-                except OSError:
-                    self.meta_mode = "sidecar"
-                finally:
-                    os.close(fd)
-                    os.unlink(probe)
-            except OSError:
-                # read-only or no permission: reads still work; default to xattr
-                self.meta_mode = "xattr"
-
     def _key_path(self, key: str, *, allow_empty: bool = False) -> str:
         validate_key(key, allow_empty=allow_empty)
         body = key[:-1] if key.endswith("/") else key
         if not body:
             if allow_empty:
                 return self.root
-            raise ValueError(f"invalid key {key!r}")
+            raise InvalidObjectNameError(f"invalid key {key!r}", key=key)
         comps = body.split("/")
         for c in comps:
             if c in ("", ".", ".."):
-                raise ValueError(f"object key {key!r} has an empty, '.' or '..' component (not representable in file://)")
+                raise InvalidObjectNameError(
+                    f"object key {key!r} has an empty, '.' or '..' component (not representable in file://)", key=key
+                )
             if c.startswith(RESERVED):
-                raise ValueError(f"object key {key!r} uses the reserved name prefix {RESERVED!r}")
+                raise InvalidObjectNameError(f"object key {key!r} uses the reserved name prefix {RESERVED!r}", key=key)
         return os.path.join(self.root, *comps)
 
     # -- metadata records --------------------------------------------------
@@ -206,51 +181,28 @@ class FileStore(ObjectStore):
         return os.path.join(d, f"{SIDECAR_PREFIX}.{n}")
 
     def _read_rec(self, path: str, st: os.stat_result) -> dict | None:
-        is_dir = stat.S_ISDIR(st.st_mode)
-        if self.meta_mode == "sidecar":
-            try:
-                with open(self._sidecar(path, is_dir), "rb") as f:
-                    rec = json.loads(f.read())
-            except (FileNotFoundError, NotADirectoryError, ValueError):
-                return None
-            if rec.get("ino") != st.st_ino:
-                return None
-            return rec
+        """The sidecar record of ``path``, or None if there is none or it
+        describes another inode (a crash between data and sidecar writes)."""
         try:
-            raw = os.getxattr(path, XATTR_NAME, follow_symlinks=False)
-        except OSError:
+            with open(self._sidecar(path, stat.S_ISDIR(st.st_mode)), "rb") as f:
+                rec = json.loads(f.read())
+        except (FileNotFoundError, NotADirectoryError, ValueError):
             return None
-        try:
-            return json.loads(raw)
-        except ValueError:
+        if rec.get("ino") != st.st_ino:
             return None
+        return rec
 
-    def _write_rec_fd(self, fd: int, rec: dict) -> None:
-        """xattr mode: set on the (temp) file before publishing."""
-        if self.meta_mode == "xattr":
-            os.setxattr(fd, XATTR_NAME, json.dumps(rec, separators=(",", ":")).encode())
-
-    def _write_rec_after(self, path: str, st: os.stat_result, rec: dict) -> None:
-        """sidecar mode: write the sidecar for an already-published path."""
-        if self.meta_mode != "sidecar":
-            return
+    def _write_rec(self, path: str, st: os.stat_result, rec: dict) -> None:
+        """Write the sidecar of an already-published path (``st``: its stat)."""
         rec = dict(rec, ino=st.st_ino)
         side = self._sidecar(path, stat.S_ISDIR(st.st_mode))
         self._atomic_write_small(side, json.dumps(rec, separators=(",", ":")).encode())
 
-    def _update_rec(self, path: str, rec: dict) -> None:
-        """Replace the record of an existing object in place (tags, marker)."""
-        if self.meta_mode == "xattr":
-            os.setxattr(path, XATTR_NAME, json.dumps(rec, separators=(",", ":")).encode(), follow_symlinks=False)
-        else:
-            self._write_rec_after(path, os.stat(path), rec)
-
     def _remove_sidecar(self, path: str, is_dir: bool) -> None:
-        if self.meta_mode == "sidecar":
-            try:
-                os.unlink(self._sidecar(path, is_dir))
-            except FileNotFoundError:
-                pass
+        try:
+            os.unlink(self._sidecar(path, is_dir))
+        except FileNotFoundError:
+            pass
 
     def _atomic_write_small(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
@@ -315,10 +267,9 @@ class FileStore(ObjectStore):
         raise AssertionError("unreachable")
 
     def _publish(self, tmp: str, fd: int, final: str, rec: dict) -> os.stat_result:
-        """fsync the temp file (with xattr record), rename over ``final``,
-        fsync the directory, then write the sidecar (sidecar mode)."""
+        """fsync the temp file, rename it over ``final``, fsync the
+        directory, then write the sidecar."""
         try:
-            self._write_rec_fd(fd, rec)
             os.fsync(fd)
             st = os.fstat(fd)
         finally:
@@ -331,7 +282,7 @@ class FileStore(ObjectStore):
             _unlink_quiet(tmp)
             raise
         _fsync_dir(os.path.dirname(final))
-        self._write_rec_after(final, st, rec)
+        self._write_rec(final, st, rec)
         return st
 
     def _new_rec(self, etag, metadata, storage_class, content_type, checksum, tags=None) -> dict:
@@ -537,7 +488,7 @@ class FileStore(ObjectStore):
                 self._makedirs(final)
                 rec = self._new_rec(_etag_of(b3), meta, storage_class, content_type, ck.b64() if ck else None)
                 rec["marker"] = True
-                self._update_rec(final, rec)
+                self._write_rec(final, os.stat(final), rec)
                 _fsync_dir(final)
                 return PutResult(rec["etag"], checksum=ck.b64() if ck else None)
             tmp, fd = self._tmp_in(os.path.dirname(final))
@@ -613,8 +564,8 @@ class FileStore(ObjectStore):
         return await self._run(create, op="CreateMultipartUpload", key=key)
 
     async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
-        if not 1 <= part_number <= self.max_parts:
-            raise ValueError(f"part number {part_number} out of range 1..{self.max_parts}")
+        if not 1 <= part_number <= self.limits.max_parts:
+            raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         src = os.fspath(path)
 
         def up():
@@ -745,7 +696,6 @@ class FileStore(ObjectStore):
             if if_match is not None and normalize_etag(if_match) != etag:
                 raise make_error(f"copy source {src_key!r} changed", code="PreconditionFailed", op="CopyObject", key=src_key)
             new = dict(rec) if rec else self._new_rec(etag, {}, None, None, None)
-            new.pop("ino", None)
             new["etag"] = etag
             if meta is not None:
                 new["meta"] = meta
@@ -774,15 +724,7 @@ class FileStore(ObjectStore):
                 return
             if not stat.S_ISDIR(st.st_mode):
                 return
-            rec = self._read_rec(path, st)
-            if rec and rec.get("marker"):
-                if self.meta_mode == "xattr":
-                    try:
-                        os.removexattr(path, XATTR_NAME)
-                    except OSError:
-                        pass
-                else:
-                    self._remove_sidecar(path, True)
+            self._remove_sidecar(path, True)
             self._prune_dirs(path)
             return
         try:
@@ -795,9 +737,6 @@ class FileStore(ObjectStore):
         self._remove_sidecar(path, False)
         _fsync_dir(os.path.dirname(path))
         self._prune_dirs(os.path.dirname(path))
-
-    async def delete(self, key: str) -> None:
-        await self._run(self._delete_sync, key, op="DeleteObject", key=key)
 
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
         keys = list(keys)
@@ -897,17 +836,10 @@ class FileStore(ObjectStore):
             if st is None:
                 raise make_error(f"no such key {key!r}", code="NoSuchKey", op="PutObjectTagging", key=key)
             new = dict(rec) if rec else self._new_rec(self._info(key, st, {}).etag, {}, None, None, None)
-            new.pop("ino", None)
             new["tags"] = tags
-            self._update_rec(path, new)
+            self._write_rec(path, st, new)
 
         await self._run(pt, op="PutObjectTagging", key=key)
-
-    async def get_bucket_lifecycle(self) -> list[dict]:
-        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="GetBucketLifecycleConfiguration")
-
-    async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
-        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="PutBucketLifecycleConfiguration")
 
 
 def _unlink_quiet(p: str) -> None:

@@ -49,6 +49,7 @@ from .store import (
     ObjectSummary,
     PartRecord,
     PutResult,
+    S3_LIMITS,
     StoreError,
     UploadInfo,
     collapse_exception_group,
@@ -169,6 +170,7 @@ _STATUS_CODES = {
 
 
 class S3Store(ObjectStore):
+    limits = S3_LIMITS
     #: keys per ListObjectsV2 page (S3 maximum: 1000)
     list_page_size = 1000
 
@@ -194,6 +196,25 @@ class S3Store(ObjectStore):
         aws_secret_access_key: str | None = None,
         aws_session_token: str | None = None,
     ):
+        """Options (usually given through :func:`drain.factory.open_store`):
+
+        * ``endpoint_url``: e.g. ``http://127.0.0.1:7480`` for radosgw; default AWS.
+        * ``region``: default ``$AWS_REGION`` / ``$AWS_DEFAULT_REGION`` / profile / ``us-east-1``.
+        * ``checksum``: one of :data:`ckptfs.fsmeta.settings.CHECKSUMS`.
+        * ``concurrency``: expected parallel requests; sizes the HTTP connection
+          pool (``concurrency + 4`` connections unless ``max_pool_connections``
+          is given) and the part-buffer pool.
+        * ``profile``: AWS shared-config profile (else the default chain).
+        * ``addressing_style``: ``path``/``virtual``/``auto``; default ``path`` when
+          ``endpoint_url`` is given, else ``auto``.
+        * ``sign_payload``: SigV4-sign part/PUT bodies with their SHA-256
+          (computed off the loop).  Default False: bodies are sent as
+          ``UNSIGNED-PAYLOAD`` and integrity is carried by ``checksum``.
+        * ``multipart_copy_threshold``: copy() uses UploadPartCopy above this
+          size (default ``limits.max_put_size``, the CopyObject limit);
+          ``copy_part_size`` per copied part.
+        * ``aws_*``: explicit credentials (else the default chain).
+        """
         self.bucket = bucket
         self.prefix = prefix  # "" or "a/b/"
         self.endpoint_url = endpoint_url
@@ -209,8 +230,8 @@ class S3Store(ObjectStore):
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._verify = verify_tls
-        self.multipart_copy_threshold = multipart_copy_threshold or self.max_put_size
-        if not (self.min_part_size <= copy_part_size <= self.max_part_size):
+        self.multipart_copy_threshold = multipart_copy_threshold or self.limits.max_put_size
+        if not (self.limits.min_part_size <= copy_part_size <= self.limits.max_part_size):
             raise ValueError("copy_part_size must be within 5 MiB..5 GiB")
         self.copy_part_size = copy_part_size
         self._explicit_creds = (aws_access_key_id, aws_secret_access_key, aws_session_token)
@@ -546,7 +567,7 @@ class S3Store(ObjectStore):
         else:
             src = os.fspath(data)
             size = (await trio.to_thread.run_sync(os.stat, src)).st_size
-        if size > self.max_put_size:
+        if size > self.limits.max_put_size:
             raise ValueError(f"put_object of {size} bytes exceeds the single-PUT limit; use multipart")
         buf, body, ck = await self._read_into_body(src, 0, size)
         try:
@@ -585,10 +606,10 @@ class S3Store(ObjectStore):
         return r["UploadId"]
 
     async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
-        if not 1 <= part_number <= self.max_parts:
-            raise ValueError(f"part number {part_number} out of range 1..{self.max_parts}")
-        if length > self.max_part_size:
-            raise ValueError(f"part of {length} bytes exceeds {self.max_part_size}")
+        if not 1 <= part_number <= self.limits.max_parts:
+            raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
+        if length > self.limits.max_part_size:
+            raise ValueError(f"part of {length} bytes exceeds {self.limits.max_part_size}")
         full = self._k(key)
         buf, body, ck = await self._read_into_body(os.fspath(path), offset, length)
         try:
@@ -721,8 +742,8 @@ class S3Store(ObjectStore):
         )
         ps = self.copy_part_size
         ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
-        if len(ranges) > self.max_parts:
-            ps = -(-info.size // self.max_parts)
+        if len(ranges) > self.limits.max_parts:
+            ps = -(-info.size // self.limits.max_parts)
             ranges = [(i + 1, off, min(ps, info.size - off)) for i, off in enumerate(range(0, info.size, ps))]
         parts: list[PartRecord] = []
         limiter = trio.Semaphore(self.concurrency)
@@ -766,14 +787,6 @@ class S3Store(ObjectStore):
             if e.code not in ("AccessDenied", "NotImplemented", "NotSupported"):
                 raise
         return res
-
-    async def delete(self, key: str) -> None:
-        try:
-            await self._call("DeleteObject", key, Bucket=self.bucket, Key=self._k(key))
-        except StoreError as e:
-            if e.code == "NoSuchKey" or e.status == 404:
-                return
-            raise
 
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
         keys = list(keys)

@@ -1,4 +1,5 @@
-"""Object-store interface used by the drain (uploads) and the gateway (ranged reads).
+"""Object-store interface used by the drain (uploads), the read path (ranged
+reads) and the lifecycle engine (listing, tags, copies, bucket rules).
 
 Everything here is async and meant to run under **trio**.  Implementations never
 do disk I/O or hashing on the event loop thread: they use
@@ -14,10 +15,19 @@ Two implementations:
 * ``s3://bucket[/prefix]`` -> :class:`ckptfs.drain.s3store.S3Store` (aiobotocore + httpx)
 * ``file:///abs/dir``      -> :class:`ckptfs.drain.filestore.FileStore`
 
+(:func:`drain.factory.open_store` picks one from a URL.)  What differs between
+them is declared, not emulated: each sets :attr:`ObjectStore.limits`, a
+:class:`StoreLimits` with its part/PUT size limits and which optional features
+(tags, storage classes, bucket lifecycle, conditional copy) it has.  Methods
+with one implementation for every store (``list``, ``delete``, the
+not-supported bucket-lifecycle calls) live in :class:`ObjectStore`.
+
 Errors: every failure is a :class:`StoreError` (or subclass) carrying the S3
 error ``code`` (``"AccessDenied"``, ``"NoSuchBucket"``, ``"SlowDown"`` ...) and a
 ``retryable`` flag computed by :func:`is_retryable`.  Programming errors (bad
-arguments) raise ``ValueError``/``TypeError`` instead.
+arguments) raise ``ValueError``/``TypeError`` instead; a well-formed key that a
+store cannot hold raises :class:`InvalidObjectNameError` (a permanent
+StoreError that is also a ValueError).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ __all__ = [
     "NoSuchUploadError",
     "NotSupportedError",
     "PreconditionFailedError",
+    "InvalidObjectNameError",
     "is_retryable",
     "ObjectSummary",
     "ObjectInfo",
@@ -45,6 +56,8 @@ __all__ = [
     "PartRecord",
     "PutResult",
     "UploadInfo",
+    "StoreLimits",
+    "S3_LIMITS",
     "ObjectStore",
     "validate_key",
     "validate_metadata",
@@ -119,6 +132,7 @@ PERMANENT_CODES = frozenset(
         "NotSupported",
         "KeyConflict",
         "InvalidObjectState",
+        "InvalidObjectName",
     }
 )
 
@@ -207,6 +221,17 @@ class PreconditionFailedError(StoreError):
     """If-Match / CopySourceIfMatch failed: the object changed underneath us."""
 
 
+class InvalidObjectNameError(StoreError, ValueError):
+    """A key this store cannot hold (file://: a ``.``/``..``/empty path
+    component, or a component starting with the reserved ``.ckptfs-``).
+    Permanent; also a ValueError, since retrying the same key cannot help."""
+
+    def __init__(self, message: str, **kw):
+        kw.setdefault("code", "InvalidObjectName")
+        kw.setdefault("retryable", False)
+        super().__init__(message, **kw)
+
+
 _ERROR_CLASSES: dict[str, type[StoreError]] = {
     "NoSuchKey": NotFoundError,
     "NoSuchBucket": NotFoundError,
@@ -214,6 +239,7 @@ _ERROR_CLASSES: dict[str, type[StoreError]] = {
     "NotSupported": NotSupportedError,
     "NotImplemented": NotSupportedError,
     "PreconditionFailed": PreconditionFailedError,
+    "InvalidObjectName": InvalidObjectNameError,
 }
 
 
@@ -272,14 +298,10 @@ class ObjectSummary:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """Result of :meth:`ObjectStore.head`."""
+class ObjectInfo(ObjectSummary):
+    """Result of :meth:`ObjectStore.head`: a listing entry plus what only a
+    HEAD returns."""
 
-    key: str
-    size: int
-    etag: str
-    last_modified: _dt.datetime
-    storage_class: str | None = None
     #: user metadata (``x-amz-meta-*``), keys lower-case, e.g. blake3/mode/uid/gid/mtime
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     content_type: str | None = None
@@ -287,10 +309,6 @@ class ObjectInfo:
     checksums: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Glacier/deep-archive restore status header, if any (``x-amz-restore``)
     restore: str | None = None
-
-    @property
-    def is_dir_marker(self) -> bool:
-        return self.key.endswith("/")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -407,6 +425,42 @@ def normalize_etag(etag: str | None) -> str:
 
 
 # --------------------------------------------------------------------------
+# capabilities
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """What a store can do, declared rather than emulated (cf. JuiceFS'
+    object ``Limits``).  Callers size uploads from the part limits and check
+    the flags before relying on a feature."""
+
+    #: smallest allowed part (except the last)
+    min_part_size: int
+    max_part_size: int
+    max_parts: int
+    #: largest single PUT
+    max_put_size: int
+    #: per-object tags (get_tags/put_tags)
+    tags: bool = True
+    #: storage classes are recorded on put/copy and reported by head/list
+    storage_classes: bool = True
+    #: bucket lifecycle rules (get/put_bucket_lifecycle)
+    bucket_lifecycle: bool = False
+    #: ``copy(..., if_match=etag)`` fails with PreconditionFailedError if the source changed
+    conditional_copy: bool = True
+
+
+#: AWS values; radosgw uses the same defaults.
+S3_LIMITS = StoreLimits(
+    min_part_size=S3_MIN_PART_SIZE,
+    max_part_size=S3_MAX_PART_SIZE,
+    max_parts=S3_MAX_PARTS,
+    max_put_size=S3_MAX_PUT_SIZE,
+    bucket_lifecycle=True,
+)
+
+
+# --------------------------------------------------------------------------
 # interface
 
 
@@ -422,12 +476,8 @@ class ObjectStore(abc.ABC):
     #: ``"CRC64NVME"``, ``"SHA256"``) or None (md5/none modes).  PartRecords of
     #: an upload made with a different algorithm cannot be resumed.
     checksum_algorithm: str | None = None
-    #: smallest allowed part (except the last); 5 MiB for S3
-    min_part_size: int = S3_MIN_PART_SIZE
-    max_part_size: int = S3_MAX_PART_SIZE
-    max_parts: int = S3_MAX_PARTS
-    #: largest single PUT / single CopyObject
-    max_put_size: int = S3_MAX_PUT_SIZE
+    #: part/PUT size limits and optional features
+    limits: StoreLimits
 
     async def __aenter__(self):
         await self.open()
@@ -452,7 +502,7 @@ class ObjectStore(abc.ABC):
     async def check_access(self, *, write: bool = False) -> None:
         """Verify that the bucket (dir) exists and credentials work, by listing
         one key under the prefix; with ``write=True`` also PUT+DELETE a probe
-        object ``.ckptfs-probe/<random>``.  Raises :class:`StoreError` whose
+        object ``.ckptfs-probe/<random>`` (file://: create and remove a temp file).  Raises :class:`StoreError` whose
         message names the bucket and endpoint and whose ``code`` is the S3
         error code (``NoSuchBucket``, ``AccessDenied``, ``InvalidAccessKeyId``,
         ``SignatureDoesNotMatch``, ``NoCredentials``, ``ConnectionError``)."""
@@ -508,7 +558,7 @@ class ObjectStore(abc.ABC):
     ) -> PutResult:
         """Single PUT of ``data`` (bytes, or the whole content of the file at
         a path) with the store's checksum.  Atomic: readers see the old or the
-        new object.  Size must be <= :attr:`max_put_size`; meant for small
+        new object.  Size must be <= ``limits.max_put_size``; meant for small
         files (< part size)."""
 
     @abc.abstractmethod
@@ -566,14 +616,16 @@ class ObjectStore(abc.ABC):
         """Server-side copy.  ``metadata=None`` keeps the source's metadata,
         otherwise it is replaced (tags are kept either way).  As with S3
         CopyObject, ``storage_class=None`` means the default (STANDARD), not
-        the source's class.  Objects larger than :attr:`max_put_size`
-        are copied with a multipart UploadPartCopy.  ``if_match``: source etag
+        the source's class.  S3 copies large objects with a multipart
+        UploadPartCopy.  ``if_match``: source etag
         precondition (:class:`PreconditionFailedError` if it changed).  Copying
         a key onto itself with new metadata/storage class is allowed."""
 
-    @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Delete (idempotent)."""
+        failed = await self.delete_many([key])
+        if failed:
+            raise failed[key]
 
     @abc.abstractmethod
     async def delete_many(self, keys: Iterable[str]) -> dict[str, StoreError]:
@@ -613,12 +665,12 @@ class ObjectStore(abc.ABC):
     async def put_tags(self, key: str, tags: Mapping[str, str]) -> None:
         """Replace the object's tag set."""
 
-    @abc.abstractmethod
     async def get_bucket_lifecycle(self) -> list[dict]:
         """Lifecycle rules in boto3 shape (``[]`` if none).
-        :class:`NotSupportedError` on file://."""
+        :class:`NotSupportedError` unless ``limits.bucket_lifecycle``."""
+        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="GetBucketLifecycleConfiguration")
 
-    @abc.abstractmethod
     async def put_bucket_lifecycle(self, rules: Sequence[Mapping]) -> None:
         """Replace the bucket lifecycle (boto3 ``Rules`` shape; an empty list
-        deletes it).  :class:`NotSupportedError` on file://."""
+        deletes it).  :class:`NotSupportedError` unless ``limits.bucket_lifecycle``."""
+        raise NotSupportedError(f"bucket lifecycle is not supported by {self.url}", op="PutBucketLifecycleConfiguration")

@@ -485,9 +485,9 @@ async def upload_file(
         part_size=plan_parts(
             size,
             part_size,
-            min_part_size=store.min_part_size,
-            max_part_size=store.max_part_size,
-            max_parts=store.max_parts,
+            min_part_size=store.limits.min_part_size,
+            max_part_size=store.limits.max_part_size,
+            max_parts=store.limits.max_parts,
         ),
         concurrency=concurrency,
         retry=retry,
@@ -546,8 +546,8 @@ class _Multipart:
             and resume.size == self.size
             and resume.blake3 == self.digest
             and resume.checksum_algorithm in (store.checksum_algorithm, _UNKNOWN)
-            and resume.part_size >= store.min_part_size
-            and math.ceil(self.size / resume.part_size) <= store.max_parts
+            and resume.part_size >= store.limits.min_part_size
+            and math.ceil(self.size / resume.part_size) <= store.limits.max_parts
         )
         if not usable:
             log.info("resume record for %s unusable (file or settings changed); starting over", self.key)

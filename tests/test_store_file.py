@@ -1,4 +1,4 @@
-"""drain.filestore: file:// object store semantics (both metadata modes)."""
+"""drain.filestore: file:// object store semantics."""
 
 from __future__ import annotations
 
@@ -10,31 +10,23 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ckptfs.drain.filestore import MULTIPART_DIR, XATTR_NAME, FileStore  # noqa: E402
+from ckptfs.drain.filestore import MULTIPART_DIR, FileStore  # noqa: E402
 from ckptfs.drain.store import NoSuchUploadError, NotSupportedError, PartRecord, PreconditionFailedError, StoreError
 from ckptfs.drain.factory import open_store
 from ckptfs.fsmeta.settings import parse_store_url
 
 
-@pytest.fixture(params=["xattr", "sidecar"])
-def store(tmp_path, request) -> FileStore:
+@pytest.fixture
+def store(tmp_path) -> FileStore:
     root = tmp_path / "bucket"
     root.mkdir()
-    st = open_store(f"file://{root}", file_meta=request.param)
+    st = open_store(f"file://{root}")
     assert isinstance(st, FileStore)
     return st
 
 
 def run(fn, *a):
     return trio.run(fn, *a)
-
-
-def all_files(root) -> list[str]:
-    out = []
-    for d, _, files in os.walk(root):
-        for f in files:
-            out.append(os.path.relpath(os.path.join(d, f), root))
-    return sorted(out)
 
 
 def test_url_parsing():
@@ -270,24 +262,10 @@ def test_lifecycle_not_supported_and_check_access(store, tmp_path):
     run(main)
 
 
-def test_xattr_mode_uses_one_xattr(tmp_path):
-    root = tmp_path / "b"
-    root.mkdir()
-    st = open_store(f"file://{root}")
-
-    async def main():
-        await st.put_object("k", b"v", {"m": "1"})
-
-    run(main)
-    assert st.meta_mode == "xattr"
-    assert XATTR_NAME in os.listxattr(root / "k")
-    assert all_files(root) == ["k"]
-
-
 def test_sidecar_stale_record_is_ignored(tmp_path):
     root = tmp_path / "b"
     root.mkdir()
-    st = open_store(f"file://{root}", file_meta="sidecar")
+    st = open_store(f"file://{root}")
 
     async def main():
         await st.put_object("k", b"v", {"m": "1"})
