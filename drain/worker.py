@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 
@@ -837,7 +836,3 @@ class FileUploadJournal(RetryStatusJournal):
             await trio.sleep(0.2)
             if not await self.drain._read(self.drain._still_current, self.job):
                 self.moved.set()
-
-
-def is_regular(mode: int) -> bool:
-    return stat.S_ISREG(mode)
