@@ -40,6 +40,8 @@ import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from ckptfs.fsmeta.records import PartRecord  # fsmeta persists the parts the store returns
+
 __all__ = [
     "MiB",
     "GiB",
@@ -316,28 +318,6 @@ class ListResult:
     objects: list[ObjectSummary]
     #: common prefixes (only with a delimiter), relative, each ending with the delimiter
     prefixes: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PartRecord:
-    """One uploaded part of a multipart upload.
-
-    ``checksum`` is the base64 value of the store's checksum algorithm
-    (:attr:`ObjectStore.checksum_algorithm`, e.g. CRC32C) or None when the store
-    uses md5/none.  Persist these (``to_dict``) to resume an upload.
-    """
-
-    number: int
-    etag: str  #: without quotes
-    size: int
-    checksum: str | None = None
-
-    def to_dict(self) -> dict:
-        return {"number": self.number, "etag": self.etag, "size": self.size, "checksum": self.checksum}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> PartRecord:
-        return cls(number=int(d["number"]), etag=str(d["etag"]), size=int(d["size"]), checksum=d.get("checksum"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,7 +1,10 @@
-"""Uploader primitives for the drain (no fsmeta knowledge: callbacks/records only).
+"""Uploader primitives for the drain (it reports to an :class:`UploadJournal`; what
+the journal persists, and where, is the caller's business).
 
 * :func:`upload_file` - single PUT or resumable multipart upload of one local
   file, with the file's BLAKE3 in ``x-amz-meta-blake3``.
+* :class:`Backoff` - the one exponential back-off schedule of ckptfs (uploads,
+  the drain's permanent-error retry, the gateway's drain restarts).
 * :func:`retry_forever` - exponential backoff with jitter, no time limit for
   retryable errors, visible retry state, immediate raise for permanent ones.
 * :func:`hash_file` - BLAKE3 of a file off the event loop (pooled hashers).
@@ -21,8 +24,8 @@ are read once: the same buffer is hashed and sent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-import json
 import logging
 import math
 import os
@@ -35,12 +38,13 @@ from typing import Any, TypeVar
 import blake3
 import trio
 
+from ckptfs.fsmeta.records import UNKNOWN_CHECKSUM, PartRecord, UploadRecord
+
 from . import localio
 from .store import (
     MiB,
     NoSuchUploadError,
     ObjectStore,
-    PartRecord,
     PutResult,
     StoreError,
     UploadInfo,
@@ -53,10 +57,12 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "META_BLAKE3",
-    "UploadRecord",
+    "UploadJournal",
+    "UploadOptions",
     "UploadResult",
     "UploadAborted",
     "RetryState",
+    "Backoff",
     "retry_forever",
     "backoff_delay",
     "hash_file",
@@ -74,63 +80,99 @@ T = TypeVar("T")
 
 
 class UploadAborted(Exception):
-    """``should_abort()`` returned True; the multipart upload (if any) was aborted."""
+    """The journal's ``should_abort()`` said so, or ``may_complete()`` vetoed; the
+    multipart upload (if any) was aborted."""
 
 
 # --------------------------------------------------------------------------
-# records
+# back-off
 
 
-@dataclasses.dataclass
-class UploadRecord:
-    """Persistable state of a multipart upload, enough to resume it.
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Exponential back-off: ``base`` seconds after the first failure, doubling per
+    consecutive failure, never more than ``cap``."""
 
-    The caller stores ``to_dict()`` (JSON-safe) in ``on_created`` and
-    ``on_part_done`` and passes ``UploadRecord.from_dict(...)`` back as
-    ``resume=``.  ``parts`` maps part number -> :class:`PartRecord`.
+    base: float
+    cap: float
+
+    def delay(self, attempt: int) -> float:
+        """The wait after failure number ``attempt`` (1 = first), without jitter."""
+        return min(self.cap, self.base * (2 ** min(attempt - 1, 62)))
+
+
+def backoff_delay(attempt: int, base: float = 0.2, cap: float = 30.0, rng: random.Random | None = None) -> float:
+    """:meth:`Backoff.delay` with "equal jitter": sleep uniformly in [d/2, d].  Never
+    ~0 (unlike full jitter), so a throttling server really gets relief; spread, so
+    parts that failed together do not all come back together."""
+    d = Backoff(base, cap).delay(attempt)
+    r = (rng or random).random()
+    return d / 2 + r * d / 2
+
+
+#: Retryable store errors: 0.1..0.2 s after the first failure, then up to 15..30 s.
+RETRY_BACKOFF = Backoff(0.2, 30.0)
+
+
+# --------------------------------------------------------------------------
+# journal and options
+
+
+class UploadJournal:
+    """What :func:`upload_file` tells its caller while it works, and asks before it acts.
+
+    This base records nothing and never objects (tests, benchmarks, one-off uploads).
+    The drain's journal (:mod:`drain.worker`) persists the record in fsmeta after
+    every step, so a restarted drain resumes the upload, and vetoes the Complete
+    when the file's generation moved.
     """
 
-    key: str
-    upload_id: str
-    part_size: int
-    size: int
-    blake3: str
-    checksum_algorithm: str | None
-    parts: dict[int, PartRecord] = dataclasses.field(default_factory=dict)
-    created: float = dataclasses.field(default_factory=time.time)
+    async def created(self, record: UploadRecord) -> None:
+        """After CreateMultipartUpload: persist ``record`` (upload id, part size, BLAKE3)."""
 
-    def to_dict(self) -> dict:
-        return {
-            "key": self.key,
-            "upload_id": self.upload_id,
-            "part_size": self.part_size,
-            "size": self.size,
-            "blake3": self.blake3,
-            "checksum_algorithm": self.checksum_algorithm,
-            "created": self.created,
-            "parts": [p.to_dict() for _, p in sorted(self.parts.items())],
-        }
+    async def part_done(self, part: PartRecord) -> None:
+        """After each part (``record.parts`` already has it); called from concurrent
+        tasks.  If it raises, the upload stops *without* aborting (it stays
+        resumable) and the exception propagates."""
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> UploadRecord:
-        parts = {int(p["number"]): PartRecord.from_dict(p) for p in d.get("parts", [])}
-        return cls(
-            key=d["key"],
-            upload_id=d["upload_id"],
-            part_size=int(d["part_size"]),
-            size=int(d["size"]),
-            blake3=d["blake3"],
-            checksum_algorithm=d.get("checksum_algorithm"),
-            parts=parts,
-            created=float(d.get("created", 0.0)),
-        )
+    async def may_complete(self) -> bool:
+        """Last check before the object becomes visible (before the Complete, or
+        the single PUT).  False: the upload is aborted, :class:`UploadAborted` raised."""
+        return True
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+    def should_abort(self) -> bool:
+        """Polled on the event loop (keep it a flag check) every ``abort_poll`` s and
+        between retries; True cancels the parts in flight, aborts the upload and
+        raises :class:`UploadAborted`."""
+        return False
 
-    @classmethod
-    def from_json(cls, s: str | bytes) -> UploadRecord:
-        return cls.from_dict(json.loads(s))
+    async def retrying(self, what: str, state: RetryState | None) -> None:
+        """Operation ``what`` failed retryably and waits ``state.delay`` s; None: the
+        streak of failures is over (it succeeded)."""
+
+
+NO_JOURNAL = UploadJournal()
+
+#: ``await retry(what, op)``: a caller's own retry loop in place of :func:`retry_forever`.
+RetryPolicy = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadOptions:
+    """How to upload (the same for every file of a caller)."""
+
+    part_size: int = DEFAULT_PART_SIZE  #: also the single-PUT limit
+    concurrency: int = 8  #: parts in flight per file
+    #: parts in flight over all uploads of the process, if given
+    part_limiter: trio.CapacityLimiter | None = None
+    storage_class: str | None = None
+    content_type: str | None = None
+    backoff: Backoff = RETRY_BACKOFF  #: of retryable store errors
+    abort_poll: float = 0.2  #: seconds between ``journal.should_abort()`` checks
+    retry: RetryPolicy | None = None  #: replaces :func:`retry_forever` entirely
+
+
+DEFAULT_OPTIONS = UploadOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +196,7 @@ class UploadResult:
 
 @dataclasses.dataclass(frozen=True)
 class RetryState:
-    """Passed to ``on_retry`` after each retryable failure."""
+    """Passed to ``on_retry`` (``journal.retrying``) after each retryable failure."""
 
     what: str  #: operation description, e.g. "UploadPart 7 of run1/model.pt"
     attempt: int  #: failures so far (1 = first failure)
@@ -170,21 +212,11 @@ class RetryState:
         return f"retrying: {self.error.code} (attempt {self.attempt}) {self.what}".rstrip()
 
 
-def backoff_delay(attempt: int, base: float = 0.2, cap: float = 30.0, rng: random.Random | None = None) -> float:
-    """"Equal jitter" exponential backoff: d = min(cap, base * 2**(attempt-1)),
-    sleep uniformly in [d/2, d].  Never ~0 (unlike full jitter), so a
-    throttling server really gets relief."""
-    d = min(cap, base * (2 ** min(attempt - 1, 62)))
-    r = (rng or random).random()
-    return d / 2 + r * d / 2
-
-
 async def retry_forever(
     op: Callable[[], Awaitable[T]],
     *,
     what: str = "",
-    base: float = 0.2,
-    cap: float = 30.0,
+    backoff: Backoff = RETRY_BACKOFF,
     on_retry: Callable[[RetryState | None], Any] | None = None,
     should_abort: Callable[[], bool] | None = None,
     rng: random.Random | None = None,
@@ -193,7 +225,7 @@ async def retry_forever(
     """Call ``await op()`` until it succeeds.
 
     * retryable :class:`StoreError` (``e.retryable``): back off
-      (:func:`backoff_delay`) and retry, with no limit on time or attempts;
+      (``backoff`` with jitter, :func:`backoff_delay`) and retry, with no limit on time or attempts;
       ``on_retry(RetryState)`` is called before each sleep so the caller can
       expose e.g. ``"retrying: SlowDown (attempt 7)"``;
     * after a streak of failures, on success ``on_retry(None)`` (state cleared);
@@ -214,7 +246,7 @@ async def retry_forever(
             attempt += 1
             if attempt == 1:
                 since = time.monotonic()
-            delay = backoff_delay(attempt, base, cap, rng)
+            delay = backoff_delay(attempt, backoff.base, backoff.cap, rng)
             state = RetryState(what or (e.op or ""), attempt, e, delay, since)
             log.warning("%s (next try in %.2fs): %s", state.describe(), delay, e)
             if on_retry is not None:
@@ -370,30 +402,18 @@ async def upload_file(
     metadata: Mapping[str, str] | None = None,
     *,
     size: int | None = None,
-    part_size: int = DEFAULT_PART_SIZE,
-    concurrency: int = 8,
-    part_limiter: trio.CapacityLimiter | None = None,
-    resume: UploadRecord | Mapping | Any | None = None,
-    on_created: Callable[[UploadRecord], Any] | None = None,
-    on_part_done: Callable[[PartRecord], Any] | None = None,
-    before_complete: Callable[[], bool | Awaitable[bool]] | None = None,
-    should_abort: Callable[[], bool] | None = None,
-    on_retry: Callable[[RetryState | None], Any] | None = None,
-    retry: Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]] | None = None,
-    storage_class: str | None = None,
-    content_type: str | None = None,
     blake3_hex: str | None = None,
-    retry_base: float = 0.2,
-    retry_cap: float = 30.0,
-    abort_poll: float = 0.2,
+    resume: UploadRecord | Mapping | Any | None = None,
+    journal: UploadJournal = NO_JOURNAL,
+    options: UploadOptions = DEFAULT_OPTIONS,
 ) -> UploadResult:
     """Upload the local file ``path`` to ``key``.
 
-    * ``size <= part_size``: one PUT (file read once: hashed and sent from the
-      same buffer).
-    * otherwise multipart with ``concurrency`` parts in flight (and, if given,
-      a ``part_limiter`` shared by all concurrent uploads of the process).
-      The file's BLAKE3 is computed first (see module doc) and stored as user
+    * ``size <= options.part_size``: one PUT (file read once: hashed and sent
+      from the same buffer).
+    * otherwise multipart with ``options.concurrency`` parts in flight (and, if
+      given, ``options.part_limiter`` shared by all concurrent uploads).  The
+      file's BLAKE3 is computed first (see module doc) and stored as user
       metadata ``blake3`` together with ``metadata``.
     * ``size``: expected size; a different file size raises
       :class:`~ckptfs.drain.localio.SourceChangedError`.
@@ -402,32 +422,18 @@ async def upload_file(
     * ``resume``: state saved from an earlier attempt - an :class:`UploadRecord`,
       its ``to_dict()``, or any object with ``key, upload_id, part_size, size,
       blake3, parts`` attributes (parts: PartRecords or their dicts).  Used if it
-      is for the same key, size, BLAKE3 (and checksum algorithm, when recorded)
+      is for the same key, size, BLAKE3 (and checksum algorithm, when known)
       and the server still has the upload (``list_parts``); recorded parts whose
       etag/size match the server's are kept, the others are (re)sent.
       Otherwise the old upload is aborted (best effort) and a new one started.
-    * ``on_created(record)``: after CreateMultipartUpload - persist
-      ``record.upload_id``/``blake3``/``part_size`` here.
-    * ``on_part_done(part)``: after each part (``record.parts`` already has it);
-      called from concurrent worker tasks; may be async.  If it raises, the
-      upload stops *without* aborting (it stays resumable) and the exception
-      propagates.
-    * ``before_complete()``: last check before the object becomes visible
-      (before CompleteMultipartUpload, or before the single PUT; sync or
-      async).  False -> the upload is aborted and :class:`UploadAborted` is
-      raised.
-    * ``should_abort()``: polled every ``abort_poll`` s (and between retries);
-      when True, in-flight parts are cancelled, the multipart upload is
-      aborted and :class:`UploadAborted` is raised.
-    * ``on_retry``: see :func:`retry_forever` (retryable errors never give up).
-      ``retry(what, op)``: replaces :func:`retry_forever` entirely with the
-      caller's own policy.
+    * ``journal``: told of the upload's progress and asked before it completes
+      (:class:`UploadJournal`); retryable errors never give up.
     * Permanent store errors propagate; the multipart upload is left in place
       for a later resume (or :func:`abort_stale_uploads`).  If the file changes
       during the upload (size/mtime/inode), the upload is aborted and
       :class:`ckptfs.drain.localio.SourceChangedError` is raised.
     """
-    if concurrency < 1:
+    if options.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     path = os.fspath(path)
     st0 = await trio.to_thread.run_sync(os.stat, path)
@@ -435,21 +441,14 @@ async def upload_file(
         raise localio.SourceChangedError(f"{path} has {st0.st_size} bytes, expected {size}")
     size = st0.st_size
     meta = dict(metadata or {})
-    user_retry = retry
+    retry = _retry_for(journal, options)
 
-    def retry(op, what):
-        if user_retry is not None:
-            return user_retry(what, op)
-        return retry_forever(
-            op, what=what, base=retry_base, cap=retry_cap, on_retry=on_retry, should_abort=should_abort
-        )
-
-    if should_abort is not None and should_abort():
+    if journal.should_abort():
         raise UploadAborted(key)
 
     # ---- small file: single PUT, one read --------------------------------
     resume = _coerce_record(resume)
-    if size <= part_size:
+    if size <= options.part_size:
         if resume is not None:
             await _abort_quietly(store, resume.key, resume.upload_id)
         buf, digest = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
@@ -461,10 +460,12 @@ async def upload_file(
             if _stat_id(st1) != _stat_id(st0):
                 raise localio.SourceChangedError(f"{path} changed while being read")
             data = memoryview(buf)[:size]
-            if before_complete is not None and not await _maybe_await(before_complete()):
-                raise UploadAborted(f"upload of {key} cancelled by before_complete()")
+            if not await journal.may_complete():
+                raise UploadAborted(f"upload of {key} cancelled by may_complete()")
             res = await retry(
-                lambda: store.put_object(key, data, meta, storage_class=storage_class, content_type=content_type),
+                lambda: store.put_object(
+                    key, data, meta, storage_class=options.storage_class, content_type=options.content_type
+                ),
                 f"PutObject {key}",
             )
         finally:
@@ -484,21 +485,14 @@ async def upload_file(
         digest=digest,
         part_size=plan_parts(
             size,
-            part_size,
+            options.part_size,
             min_part_size=store.limits.min_part_size,
             max_part_size=store.limits.max_part_size,
             max_parts=store.limits.max_parts,
         ),
-        concurrency=concurrency,
+        options=options,
+        journal=journal,
         retry=retry,
-        on_created=on_created,
-        on_part_done=on_part_done,
-        before_complete=before_complete,
-        should_abort=should_abort,
-        part_limiter=part_limiter,
-        storage_class=storage_class,
-        content_type=content_type,
-        abort_poll=abort_poll,
     )
     try:
         await job.adopt(resume)
@@ -508,6 +502,23 @@ async def upload_file(
             with trio.CancelScope(shield=True):
                 await _abort_quietly(store, job.record.key, job.record.upload_id)
         raise
+
+
+def _retry_for(journal: UploadJournal, options: UploadOptions) -> Callable[[Callable[[], Awaitable[T]], str], Awaitable[T]]:
+    """``retry(op, what)``: the caller's policy, else :func:`retry_forever` reporting to the journal."""
+
+    def retry(op, what):
+        if options.retry is not None:
+            return options.retry(what, op)
+        return retry_forever(
+            op,
+            what=what,
+            backoff=options.backoff,
+            on_retry=functools.partial(journal.retrying, what),
+            should_abort=journal.should_abort,
+        )
+
+    return retry
 
 
 @dataclasses.dataclass
@@ -520,17 +531,11 @@ class _Multipart:
     meta: dict
     digest: str
     part_size: int
-    concurrency: int
+    options: UploadOptions
+    journal: UploadJournal
     retry: Callable
-    on_created: Callable | None
-    on_part_done: Callable | None
-    before_complete: Callable | None
-    should_abort: Callable[[], bool] | None
-    part_limiter: trio.CapacityLimiter | None
-    storage_class: str | None
-    content_type: str | None
-    abort_poll: float
     record: UploadRecord | None = None
+    done: dict[int, PartRecord] = dataclasses.field(default_factory=dict)  #: parts in ``record``
     reused: int = 0
     restarts: int = 0
     sent_parts: int = 0
@@ -545,7 +550,7 @@ class _Multipart:
             resume.key == self.key
             and resume.size == self.size
             and resume.blake3 == self.digest
-            and resume.checksum_algorithm in (store.checksum_algorithm, _UNKNOWN)
+            and resume.checksum_algorithm in (store.checksum_algorithm, UNKNOWN_CHECKSUM)
             and resume.part_size >= store.limits.min_part_size
             and math.ceil(self.size / resume.part_size) <= store.limits.max_parts
         )
@@ -561,8 +566,8 @@ class _Multipart:
             self.restarts += 1
             return
         sp = {p.number: p for p in server}
-        record = dataclasses.replace(resume, parts={}, checksum_algorithm=store.checksum_algorithm)
-        for n, p in resume.parts.items():
+        kept = {}
+        for n, p in resume.part_map().items():
             s = sp.get(n)
             expect = min(resume.part_size, self.size - (n - 1) * resume.part_size)
             if (
@@ -571,25 +576,36 @@ class _Multipart:
                 and p.size == expect
                 and s.size in (0, expect)
             ):
-                record.parts[n] = p
-        self.record = record
-        self.reused = len(record.parts)
-        self.part_size = record.part_size
+                kept[n] = p
+        self.record = dataclasses.replace(
+            resume, parts=[p.to_dict() for p in kept.values()], checksum_algorithm=store.checksum_algorithm
+        )
+        self.done = kept
+        self.reused = len(kept)
+        self.part_size = resume.part_size
 
     async def run(self) -> UploadResult:
-        store, key = self.store, self.key
+        store, key, options = self.store, self.key, self.options
         while True:  # start over if the upload id disappears mid-way
             if self.record is None:
                 upload_id = await self.retry(
                     lambda: store.create_multipart(
-                        key, self.meta, storage_class=self.storage_class, content_type=self.content_type
+                        key, self.meta, storage_class=options.storage_class, content_type=options.content_type
                     ),
                     f"CreateMultipartUpload {key}",
                 )
-                self.record = UploadRecord(key, upload_id, self.part_size, self.size, self.digest, store.checksum_algorithm)
+                self.record = UploadRecord(
+                    key=key,
+                    upload_id=upload_id,
+                    generation=0,  # the caller's notion; its journal fills it in
+                    part_size=self.part_size,
+                    size=self.size,
+                    blake3=self.digest,
+                    checksum_algorithm=store.checksum_algorithm,
+                )
+                self.done = {}
                 self.reused = 0
-                if self.on_created is not None:
-                    await _maybe_await(self.on_created(self.record))
+                await self.journal.created(self.record)
             try:
                 await self._send_parts()
             except NoSuchUploadError:
@@ -607,9 +623,9 @@ class _Multipart:
             await _abort_quietly(store, key, record.upload_id)
             raise localio.SourceChangedError(f"{self.path} changed during upload of {key}")
         nparts = math.ceil(self.size / record.part_size)
-        parts = [record.parts[n] for n in range(1, nparts + 1)]
-        if self.before_complete is not None and not await _maybe_await(self.before_complete()):
-            raise UploadAborted(f"upload of {key} cancelled by before_complete()")
+        parts = [self.done[n] for n in range(1, nparts + 1)]
+        if not await self.journal.may_complete():
+            raise UploadAborted(f"upload of {key} cancelled by may_complete()")
 
         async def complete():
             try:
@@ -640,9 +656,9 @@ class _Multipart:
         record = self.record
         size, ps = record.size, record.part_size
         nparts = math.ceil(size / ps)
-        todo = iter([n for n in range(1, nparts + 1) if n not in record.parts])
+        todo = iter([n for n in range(1, nparts + 1) if n not in self.done])
         aborted = False
-        store = self.store
+        store, journal, limiter = self.store, self.journal, self.options.part_limiter
 
         async def worker():
             for n in todo:
@@ -650,33 +666,32 @@ class _Multipart:
                 ln = min(ps, size - off)
 
                 async def send(n=n, off=off, ln=ln):
-                    if self.part_limiter is None:
+                    if limiter is None:
                         return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln)
-                    async with self.part_limiter:
+                    async with limiter:
                         return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln)
 
                 p = await self.retry(send, f"UploadPart {n}/{nparts} {record.key}")
-                record.parts[n] = p
+                self.done[n] = p
+                record.add_part(p)
                 self.sent_parts += 1
                 self.sent_bytes += ln
-                if self.on_part_done is not None:
-                    await _maybe_await(self.on_part_done(p))
+                await journal.part_done(p)
 
         async def watcher(cancel_scope):
             nonlocal aborted
             while True:
-                if self.should_abort():
+                if journal.should_abort():
                     aborted = True
                     cancel_scope.cancel()
                     return
-                await trio.sleep(self.abort_poll)
+                await trio.sleep(self.options.abort_poll)
 
         try:
             async with trio.open_nursery() as outer:
-                if self.should_abort is not None:
-                    outer.start_soon(watcher, outer.cancel_scope)
+                outer.start_soon(watcher, outer.cancel_scope)
                 async with trio.open_nursery() as n:
-                    for _ in range(min(self.concurrency, nparts)):
+                    for _ in range(min(self.options.concurrency, nparts)):
                         n.start_soon(worker)
                 outer.cancel_scope.cancel()  # workers done: stop the watcher
         except BaseExceptionGroup as eg:
@@ -688,33 +703,25 @@ class _Multipart:
             raise UploadAborted(f"upload of {record.key} aborted")
 
 
-_UNKNOWN = "?"
-
-
 def _coerce_record(resume) -> UploadRecord | None:
-    """Accept an UploadRecord, its dict form, or a duck-typed record (e.g. the
-    metadata DB's own upload record) with key/upload_id/part_size/size/blake3/parts."""
+    """Accept an UploadRecord, its dict form, or a duck-typed record with
+    key/upload_id/part_size/size/blake3/parts (parts: PartRecords or their dicts)."""
     if resume is None or isinstance(resume, UploadRecord):
         return resume
     if isinstance(resume, Mapping):
-        d = dict(resume)
-        d.setdefault("checksum_algorithm", _UNKNOWN)
-        return UploadRecord.from_dict(d)
+        return UploadRecord.from_dict(resume)
     parts_in = getattr(resume, "parts", None) or []
     if isinstance(parts_in, Mapping):
         parts_in = list(parts_in.values())
-    parts = {}
-    for p in parts_in:
-        pr = p if isinstance(p, PartRecord) else PartRecord.from_dict(p)
-        parts[pr.number] = pr
     return UploadRecord(
         key=resume.key,
         upload_id=resume.upload_id,
+        generation=int(getattr(resume, "generation", 0)),
         part_size=int(resume.part_size),
         size=int(resume.size),
         blake3=getattr(resume, "blake3", "") or "",
-        checksum_algorithm=getattr(resume, "checksum_algorithm", _UNKNOWN),
-        parts=parts,
+        parts=[p.to_dict() if isinstance(p, PartRecord) else dict(p) for p in parts_in],
+        checksum_algorithm=getattr(resume, "checksum_algorithm", UNKNOWN_CHECKSUM),
     )
 
 
@@ -724,13 +731,12 @@ async def upload_bytes(
     data: bytes | bytearray | memoryview | str,
     metadata: Mapping[str, str] | None = None,
     *,
-    storage_class: str | None = None,
-    content_type: str | None = None,
-    on_retry: Callable[[RetryState | None], Any] | None = None,
-    retry: Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]] | None = None,
+    journal: UploadJournal = NO_JOURNAL,
+    options: UploadOptions = DEFAULT_OPTIONS,
 ) -> UploadResult:
     """Single PUT of in-memory ``data`` (e.g. a symlink target; str is UTF-8
-    encoded) with ``blake3`` metadata.  Meant for small payloads."""
+    encoded) with ``blake3`` metadata.  Meant for small payloads; of ``options``
+    only the storage class, content type and retry settings apply."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogateescape")
     mv = memoryview(data).cast("B")
@@ -742,12 +748,9 @@ async def upload_bytes(
     meta[META_BLAKE3] = digest
 
     def op():
-        return store.put_object(key, data, meta, storage_class=storage_class, content_type=content_type)
+        return store.put_object(key, data, meta, storage_class=options.storage_class, content_type=options.content_type)
 
-    if retry is not None:
-        res = await retry(f"PutObject {key}", op)
-    else:
-        res = await retry_forever(op, what=f"PutObject {key}", on_retry=on_retry)
+    res = await _retry_for(journal, options)(op, f"PutObject {key}")
     return UploadResult(key, res.etag, mv.nbytes, digest, False, bytes_uploaded=mv.nbytes)
 
 

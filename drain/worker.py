@@ -18,9 +18,10 @@ worker thread, and no transaction spans an ``await``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,11 @@ from . import schedule
 from .localio import SourceChangedError
 from .store import NotFoundError, ObjectStore, PartRecord, StoreError
 from .upload import (
+    Backoff,
+    RetryState,
     UploadAborted,
+    UploadJournal,
+    UploadOptions,
     abort_stale_uploads,
     hash_file,
     release_buffers,
@@ -126,6 +131,9 @@ class Drain:
         self.until_empty = False
         self.buffers_released = False
         self.part_limiter = trio.CapacityLimiter(self.concurrency)
+        self.upload_options = UploadOptions(
+            part_size=self.part_size, concurrency=self.concurrency, part_limiter=self.part_limiter)
+        self.status_journal = RetryStatusJournal(self)
         # Whole-file BLAKE3 before CreateMultipartUpload, one file at a time (BLAKE3 uses
         # every core): the first file's parts go out while the next one is hashed, instead
         # of every file of a checkpoint being hashed before the first byte is sent.
@@ -231,18 +239,18 @@ class Drain:
 
     async def _retry(self, what: str, op):
         """Run ``op`` until it succeeds; retryable errors back off forever, visibly."""
+        return await retry_forever(op, what=what, on_retry=functools.partial(self._show_retry, what))
 
-        async def show(state) -> None:
-            if state is None:
-                self.stats.retrying.pop(what, None)
-                return
-            self.stats.retries += 1
-            self.stats.retrying[what] = f"{state.code} (attempt {state.attempt}, next in {state.delay:.1f}s)"
-            if state.attempt == 1:
-                # visible right away, also before the status loop runs (startup check)
-                await self._publish_status()
-
-        return await retry_forever(op, what=what, on_retry=show)
+    async def _show_retry(self, what: str, state: RetryState | None) -> None:
+        """Put a retry streak of ``what`` in the drain status (None: it is over)."""
+        if state is None:
+            self.stats.retrying.pop(what, None)
+            return
+        self.stats.retries += 1
+        self.stats.retrying[what] = f"{state.code} (attempt {state.attempt}, next in {state.delay:.1f}s)"
+        if state.attempt == 1:
+            # visible right away, also before the status loop runs (startup check)
+            await self._publish_status()
 
     # -- one inode ---------------------------------------------------------------------
 
@@ -262,7 +270,7 @@ class Drain:
             self.stats.errors[cand.path] = exc.code
             await self._write(durability.mark_error, cand.ino, exc.code)
             n = self.failures[cand.ino] = self.failures.get(cand.ino, 0) + 1
-            wait = min(PERMANENT_RETRY_SECONDS, PERMANENT_RETRY_FIRST * 2 ** min(n - 1, 10))
+            wait = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS).delay(n)
             self.retry_after[cand.ino] = time.monotonic() + wait
         except OSError as exc:
             log.error("reading the cache for %s failed: %s", cand.path, exc)
@@ -434,7 +442,7 @@ class Drain:
         await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns)
         if job.is_symlink:
-            result = await upload_bytes(self.store, key, job.target, meta, retry=self._retry)
+            result = await upload_bytes(self.store, key, job.target, meta, journal=self.status_journal)
             return result.etag, result.blake3, len(job.target)
 
         resume = None
@@ -448,63 +456,13 @@ class Drain:
             else:
                 await self._abort_recorded(job.ino, job.upload)
         path = self.cache.data_path(job.ino)
-        moved = trio.Event()
-
-        async def on_created(record) -> None:
-            rec = UploadRecord(key, record.upload_id, job.generation, record.part_size, job.size,
-                               blake3=record.blake3)
-            await self._write(lambda txn: txn.put_upload(job.ino, rec) if self._still_current(txn, job) else None)
-
-        async def on_part_done(part: PartRecord) -> None:
-            def add(txn: Txn) -> None:
-                rec = txn.get_upload(job.ino)
-                if rec is not None:
-                    rec.parts = [p for p in rec.parts if p["number"] != part.number] + [part.to_dict()]
-                    txn.put_upload(job.ino, rec)
-
-            await self._write(add)
-            progress = self.stats.in_flight.get(job.ino)
-            if progress is not None:
-                progress["done"] += part.size
-
-        async def before_complete() -> bool:
-            """Last check before the object becomes visible: still this generation?"""
-            def check(txn: Txn) -> bool:
-                if not self._still_current(txn, job):
-                    return False
-                rec = txn.get_upload(job.ino)
-                if rec is not None:
-                    rec.phase = int(UploadPhase.COMPLETING)
-                    txn.put_upload(job.ino, rec)
-                return True
-
-            return await self._write(check)
-
-        async def watch_generation() -> None:
-            # should_abort() is polled on the loop: keep it a flag, read fsmeta in a thread.
-            while not moved.is_set():
-                await trio.sleep(0.2)
-                if not await self._read(self._still_current, job):
-                    moved.set()
-
-        creates = 0
-
-        async def retry(what, op):
-            if not what.startswith("CreateMultipartUpload"):
-                return await self._retry(what, op)
-
-            async def counted():
-                nonlocal creates
-                creates += 1
-                return await op()
-
-            return await self._retry(what, counted)
+        journal = FileUploadJournal(self, job)
 
         self.stats.in_flight[job.ino] = {"path": key, "size": job.size, "done": 0}
         failure: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch_generation)
+                nursery.start_soon(journal.watch_generation)
                 try:
                     digest = None
                     if job.size > self.part_size:
@@ -515,18 +473,8 @@ class Drain:
                             else:
                                 digest = await hash_file(path, job.size)
                     result = await upload_file(
-                        self.store, key, path, meta,
-                        blake3_hex=digest,
-                        size=job.size,
-                        part_size=self.part_size,
-                        concurrency=self.concurrency,
-                        part_limiter=self.part_limiter,
-                        resume=resume,
-                        on_created=on_created,
-                        on_part_done=on_part_done,
-                        before_complete=before_complete,
-                        should_abort=moved.is_set,
-                        retry=retry,
+                        self.store, key, path, meta, size=job.size, blake3_hex=digest, resume=resume,
+                        journal=journal, options=self.upload_options,
                     )
                 except Exception as exc:
                     # Raised below, outside the nursery: from inside it would come out
@@ -540,7 +488,7 @@ class Drain:
             log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             await self._write(lambda txn: txn.delete_upload(job.ino))
             return None, "", 0
-        if result.multipart and (creates > 1 or job.prior_attempt):
+        if result.multipart and (journal.creates > 1 or job.prior_attempt):
             await self._abort_orphans(key, result.upload_id)
         return result.etag, result.blake3, job.size
 
@@ -815,5 +763,76 @@ class Drain:
         await self._write(lambda txn: txn.put_drain_status(status))
 
 
-def is_regular(mode: int) -> bool:
-    return stat.S_ISREG(mode)
+
+class RetryStatusJournal(UploadJournal):
+    """Shows an upload's retry streaks in the drain status; records nothing else."""
+
+    def __init__(self, drain: Drain):
+        self.drain = drain
+
+    async def retrying(self, what: str, state: RetryState | None) -> None:
+        await self.drain._show_retry(what, state)
+
+
+class FileUploadJournal(RetryStatusJournal):
+    """One file's upload as fsmeta records it: upload id and part list after every step
+    (a restarted drain resumes from them), the generation checked before the Complete,
+    and an abort as soon as the file's generation moves."""
+
+    def __init__(self, drain: Drain, job: FileJob):
+        super().__init__(drain)
+        self.job = job
+        self.moved = trio.Event()
+        # CreateMultipartUpload requests sent: more than one may have left an upload
+        # nobody records (a lost response, or an upload that vanished and was redone).
+        self.creates = 0
+
+    async def created(self, record: UploadRecord) -> None:
+        self.creates += 1
+        job = self.job
+        rec = dataclasses.replace(record, generation=job.generation, parts=[])
+        await self.drain._write(lambda txn: txn.put_upload(job.ino, rec) if self.drain._still_current(txn, job) else None)
+
+    async def part_done(self, part: PartRecord) -> None:
+        ino = self.job.ino
+
+        def add(txn: Txn) -> None:
+            rec = txn.get_upload(ino)
+            if rec is not None:
+                rec.add_part(part)
+                txn.put_upload(ino, rec)
+
+        await self.drain._write(add)
+        progress = self.drain.stats.in_flight.get(ino)
+        if progress is not None:
+            progress["done"] += part.size
+
+    async def may_complete(self) -> bool:
+        """Last check before the object becomes visible: still this generation?"""
+        job = self.job
+
+        def check(txn: Txn) -> bool:
+            if not self.drain._still_current(txn, job):
+                return False
+            rec = txn.get_upload(job.ino)
+            if rec is not None:
+                rec.phase = int(UploadPhase.COMPLETING)
+                txn.put_upload(job.ino, rec)
+            return True
+
+        return await self.drain._write(check)
+
+    def should_abort(self) -> bool:
+        # polled on the loop: a flag that watch_generation keeps up to date from a thread
+        return self.moved.is_set()
+
+    async def retrying(self, what: str, state: RetryState | None) -> None:
+        if state is not None and what.startswith("CreateMultipartUpload"):
+            self.creates += 1  # the failed request may still have created an upload
+        await super().retrying(what, state)
+
+    async def watch_generation(self) -> None:
+        while not self.moved.is_set():
+            await trio.sleep(0.2)
+            if not await self.drain._read(self.drain._still_current, self.job):
+                self.moved.set()

@@ -6,6 +6,7 @@ import enum
 import json
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 
@@ -136,17 +137,40 @@ class PendingRecord(_JsonRecord):
     urgent: bool = False  # fsync=remote is waiting: upload even with a writer open
 
 
-@dataclass
-class PartRecord(_JsonRecord):
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """One uploaded part of a multipart upload (the store returns it, fsmeta keeps it).
+
+    ``checksum`` is the base64 value of the store's checksum algorithm (e.g.
+    CRC32C) or None when the store uses md5/none.
+    """
+
     number: int
-    etag: str
-    checksum: str = ""
-    size: int = 0
+    etag: str  #: without quotes
+    size: int
+    checksum: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"number": self.number, "etag": self.etag, "size": self.size, "checksum": self.checksum}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "PartRecord":
+        return cls(number=int(d["number"]), etag=str(d["etag"]), size=int(d["size"]), checksum=d.get("checksum"))
+
+
+#: ``UploadRecord.checksum_algorithm`` of a record read back from JSON: fsmeta does not
+#: store it, so a resume accepts whatever the store uses now.
+UNKNOWN_CHECKSUM = "?"
 
 
 @dataclass
-class UploadRecord(_JsonRecord):
-    """An in-flight multipart upload, enough for a restarted drain to resume it."""
+class UploadRecord:
+    """An in-flight multipart upload, enough for a restarted drain to resume it.
+
+    The uploader fills in what the bucket needs; the drain adds ``generation`` and
+    ``phase`` and stores it in fsmeta. The stored JSON is ``to_dict()``: the fields
+    the drain has always written, so records of earlier versions resume.
+    """
 
     key: str
     upload_id: str
@@ -155,8 +179,30 @@ class UploadRecord(_JsonRecord):
     size: int
     phase: int = int(UploadPhase.STARTED)
     blake3: str = ""
-    parts: list = field(default_factory=list)  # list of PartRecord dicts
+    parts: list[dict] = field(default_factory=list)  # PartRecord.to_dict() of each part sent
+    # the store's checksum algorithm when the parts were sent; not persisted
+    checksum_algorithm: str | None = UNKNOWN_CHECKSUM
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        del d["checksum_algorithm"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "UploadRecord":
+        return cls(**{"checksum_algorithm": UNKNOWN_CHECKSUM, **d})
+
+    def part_map(self) -> dict[int, PartRecord]:
+        """Part number -> part, for the parts recorded so far."""
+        return {int(p["number"]): PartRecord.from_dict(p) for p in self.parts}
+
+    def add_part(self, part: PartRecord) -> None:
+        """Record ``part`` (replacing an earlier record of the same number)."""
+        self.parts = [p for p in self.parts if p["number"] != part.number] + [part.to_dict()]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "UploadRecord":
-        return cls(**json.loads(bytes(raw)))
+        return cls.from_dict(json.loads(bytes(raw)))

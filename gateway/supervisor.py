@@ -16,10 +16,14 @@ import sys
 import pyfuse3
 import trio
 
+from ckptfs.drain.upload import Backoff
 from ckptfs.fsmeta import durability
 from ckptfs.fsmeta.settings import Settings
 
 log = logging.getLogger("ckptfs.supervisor")
+
+# 1 s, 2 s, 4 s ... a minute: a drain that keeps crashing does not spin.
+RESTART_BACKOFF = Backoff(1.0, 60.0)
 
 
 class DrainSupervisor:
@@ -42,13 +46,12 @@ class DrainSupervisor:
 
     async def watch(self) -> None:
         """Restart the drain if it exits while the mount is up."""
-        backoff = 1.0
         while not self._stopping:
             await trio.sleep(1.0)
             if self.proc is not None and self.proc.poll() is not None and not self._stopping:
-                log.error("drain exited with status %s; restarting in %.0fs", self.proc.returncode, backoff)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 60)
+                delay = RESTART_BACKOFF.delay(self.restarts + 1)
+                log.error("drain exited with status %s; restarting in %.0fs", self.proc.returncode, delay)
+                await trio.sleep(delay)
                 self.restarts += 1
                 self._spawn()
 

@@ -77,7 +77,7 @@ async def _parts_only(args, path, size, checksum, sign, botocore_signing=False):
 
 
 async def _full(args, path, size, checksum):
-    from ckptfs.drain.upload import upload_file
+    from ckptfs.drain.upload import UploadOptions, upload_file
 
     async with open_store(
         f"s3://{args.bucket}/bench", endpoint_url=args.endpoint, checksum=checksum, concurrency=args.concurrency
@@ -86,7 +86,8 @@ async def _full(args, path, size, checksum):
         for run in range(args.repeat):
             label = f"upload_file (blake3 pass + multipart) {st.checksum_mode}"
             with Meter(label + (" (warm-up)" if run == 0 and args.repeat > 1 else ""), size):
-                await upload_file(st, "full", path, {}, part_size=args.part_mib * MiB, concurrency=args.concurrency)
+                options = UploadOptions(part_size=args.part_mib * MiB, concurrency=args.concurrency)
+                await upload_file(st, "full", path, {}, options=options)
             await st.delete("full")
 
 

@@ -18,7 +18,9 @@ from _moto import fake_aws_env, shared_server  # noqa: E402
 from ckptfs.drain import localio  # noqa: E402
 from ckptfs.drain.store import MiB  # noqa: E402
 from ckptfs.drain.factory import open_store
-from ckptfs.drain.upload import UploadAborted, UploadRecord, upload_bytes, upload_file  # noqa: E402
+from ckptfs.drain.upload import UploadAborted, UploadOptions, upload_bytes, upload_file  # noqa: E402
+from ckptfs.fsmeta import UploadRecord  # noqa: E402
+from upload_hooks import Hooks  # noqa: E402
 
 BUCKET = "ckptfs-upload"
 
@@ -83,7 +85,7 @@ def test_small_file_single_put(store_factory, tmp_path):
     async def main():
         async with factory() as st:
             counting = CountingStore(st)
-            res = await upload_file(counting, "small/f", src, {"mode": "420"}, part_size=ps)
+            res = await upload_file(counting, "small/f", src, {"mode": "420"}, options=UploadOptions(part_size=ps))
             assert not res.multipart and counting.creates == 0
             info = await st.head("small/f")
             assert info.metadata["blake3"] == blake3.blake3(src.read_bytes()).hexdigest() == res.blake3
@@ -91,7 +93,7 @@ def test_small_file_single_put(store_factory, tmp_path):
             assert await st.get_range("small/f", 0, 10**9) == src.read_bytes()
             empty = tmp_path / "empty"
             empty.write_bytes(b"")
-            r = await upload_file(st, "small/empty", empty, {}, part_size=ps)
+            r = await upload_file(st, "small/empty", empty, {}, options=UploadOptions(part_size=ps))
             assert r.size == 0 and (await st.head("small/empty")).size == 0
             r = await upload_bytes(st, "small/link", "target/path", {"mode": str(0o120777)})
             assert await st.get_range("small/link", 0, 100) == b"target/path"
@@ -120,8 +122,8 @@ def test_crash_then_resume_sends_only_missing_parts(store_factory, tmp_path):
         async with factory() as st:
             with pytest.raises(Crash):
                 await upload_file(
-                    st, "ckpt/model.pt", src, {"mode": "420"}, part_size=ps, concurrency=1,
-                    on_created=on_created, on_part_done=on_part_done_crashing,
+                    st, "ckpt/model.pt", src, {"mode": "420"}, options=UploadOptions(part_size=ps, concurrency=1),
+                    journal=Hooks(created=on_created, part_done=on_part_done_crashing),
                 )
             assert await st.head("ckpt/model.pt") is None  # not completed
             ups = await st.list_multipart_uploads("ckpt/")
@@ -133,11 +135,11 @@ def test_crash_then_resume_sends_only_missing_parts(store_factory, tmp_path):
     async def second():
         async with factory() as st:
             counting = CountingStore(st)
-            record = UploadRecord.from_json(UploadRecord.from_dict(saved["rec"]).to_json())
+            record = UploadRecord.from_bytes(UploadRecord.from_dict(saved["rec"]).to_bytes())
             persisted = []
             res = await upload_file(
-                counting, "ckpt/model.pt", src, {"mode": "420"}, part_size=ps, concurrency=2,
-                resume=record, on_part_done=lambda p: persisted.append(p.number),
+                counting, "ckpt/model.pt", src, {"mode": "420"}, options=UploadOptions(part_size=ps, concurrency=2),
+                resume=record, journal=Hooks(part_done=lambda p: persisted.append(p.number)),
             )
             assert counting.creates == 0
             assert sorted(counting.parts_sent) == [3, 4, 5]
@@ -164,14 +166,14 @@ def test_resume_with_vanished_upload_starts_over(store_factory, tmp_path):
         async with factory() as st:
             with pytest.raises(Crash):
                 await upload_file(
-                    st, "gone/x", src, {}, part_size=ps, concurrency=1,
-                    on_created=lambda r: saved.setdefault("rec", r), on_part_done=crash,
+                    st, "gone/x", src, {}, options=UploadOptions(part_size=ps, concurrency=1),
+                    journal=Hooks(created=lambda r: saved.setdefault("rec", r), part_done=crash),
                 )
             rec: UploadRecord = saved["rec"]
-            assert set(rec.parts) == {1}
+            assert {p["number"] for p in rec.parts} == {1}
             await st.abort_multipart(rec.key, rec.upload_id)  # e.g. lifecycle AbortIncompleteMultipartUpload
             counting = CountingStore(st)
-            res = await upload_file(counting, "gone/x", src, {}, part_size=ps, resume=rec)
+            res = await upload_file(counting, "gone/x", src, {}, options=UploadOptions(part_size=ps), resume=rec)
             assert counting.creates == 1 and sorted(counting.parts_sent) == [1, 2, 3]
             assert res.restarts == 1 and res.upload_id != rec.upload_id
             assert await st.get_range("gone/x", 0, 10**9) == src.read_bytes()
@@ -188,9 +190,9 @@ def test_resume_record_for_changed_file_is_discarded(store_factory, tmp_path):
         async with factory() as st:
             with pytest.raises(Crash):
                 await upload_file(
-                    st, "chg/x", src, {}, part_size=ps, concurrency=1,
-                    on_created=lambda r: saved.setdefault("rec", r),
-                    on_part_done=lambda p: (_ for _ in ()).throw(Crash()),
+                    st, "chg/x", src, {}, options=UploadOptions(part_size=ps, concurrency=1),
+                    journal=Hooks(created=lambda r: saved.setdefault("rec", r),
+                                  part_done=lambda p: (_ for _ in ()).throw(Crash())),
                 )
             src.write_bytes(os.urandom(ps * 2 + 7))  # same size, new content
             counting = CountingStore(st)
@@ -199,10 +201,10 @@ def test_resume_record_for_changed_file_is_discarded(store_factory, tmp_path):
 
             class DbRecord:
                 key, upload_id, part_size, size, blake3 = old.key, old.upload_id, old.part_size, old.size, old.blake3
-                parts = [p.to_dict() for p in old.parts.values()]
+                parts = [dict(p) for p in old.parts]
                 generation = 7
 
-            res = await upload_file(counting, "chg/x", src, {}, part_size=ps, resume=DbRecord())
+            res = await upload_file(counting, "chg/x", src, {}, options=UploadOptions(part_size=ps), resume=DbRecord())
             assert counting.creates == 1 and sorted(counting.parts_sent) == [1, 2, 3] and res.restarts == 1
             assert await st.get_range("chg/x", 0, 10**9) == src.read_bytes()
             assert await st.list_multipart_uploads("chg/") == []  # old upload aborted
@@ -223,21 +225,23 @@ def test_should_abort_aborts_multipart(store_factory, tmp_path):
             created = {}
             with pytest.raises(UploadAborted):
                 await upload_file(
-                    st, "ab/x", src, {}, part_size=ps, concurrency=1, abort_poll=0.01,
-                    on_created=lambda r: created.setdefault("id", r.upload_id),
-                    on_part_done=on_part_done, should_abort=lambda: flag["abort"],
+                    st, "ab/x", src, {}, options=UploadOptions(part_size=ps, concurrency=1, abort_poll=0.01),
+                    journal=Hooks(created=lambda r: created.setdefault("id", r.upload_id),
+                                  part_done=on_part_done, should_abort=lambda: flag["abort"]),
                 )
             assert created["id"]
             assert await st.list_multipart_uploads("ab/") == []
             assert await st.head("ab/x") is None
-            # before_complete veto also aborts
+            # a may_complete() veto also aborts
             with pytest.raises(UploadAborted):
-                await upload_file(st, "ab/y", src, {}, part_size=ps, before_complete=lambda: False)
+                await upload_file(st, "ab/y", src, {}, options=UploadOptions(part_size=ps),
+                                  journal=Hooks(may_complete=lambda: False))
             assert await st.list_multipart_uploads("ab/") == []
             assert await st.head("ab/y") is None
             small = make_file(tmp_path, 100, "small")
             with pytest.raises(UploadAborted):
-                await upload_file(st, "ab/small", small, {}, part_size=ps, before_complete=lambda: False)
+                await upload_file(st, "ab/small", small, {}, options=UploadOptions(part_size=ps),
+                                  journal=Hooks(may_complete=lambda: False))
             assert await st.head("ab/small") is None
 
     trio.run(main)
@@ -254,11 +258,12 @@ def test_source_changed_during_upload(store_factory, tmp_path):
                     os.utime(src, ns=(1, 1))
 
             with pytest.raises(localio.SourceChangedError):
-                await upload_file(st, "chg2/x", src, {}, part_size=ps, concurrency=1, on_part_done=touch)
+                await upload_file(st, "chg2/x", src, {}, options=UploadOptions(part_size=ps, concurrency=1),
+                                  journal=Hooks(part_done=touch))
             assert await st.head("chg2/x") is None
             assert await st.list_multipart_uploads("chg2/") == []
             with pytest.raises(localio.SourceChangedError):
-                await upload_file(st, "chg2/x", src, {}, part_size=ps, size=123)
+                await upload_file(st, "chg2/x", src, {}, options=UploadOptions(part_size=ps), size=123)
 
     trio.run(main)
 
@@ -286,7 +291,8 @@ def test_part_limiter_bounds_parts_in_flight(tmp_path):
             async with trio.open_nursery() as n:
                 for i, s in enumerate(srcs):
                     n.start_soon(lambda s=s, i=i: upload_file(
-                        slow, f"lim/{i}", s, {}, part_size=4096, concurrency=4, part_limiter=limiter))
+                        slow, f"lim/{i}", s, {},
+                        options=UploadOptions(part_size=4096, concurrency=4, part_limiter=limiter)))
             for i, s in enumerate(srcs):
                 assert await st.get_range(f"lim/{i}", 0, 10**9) == s.read_bytes()
 

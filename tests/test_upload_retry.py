@@ -13,7 +13,9 @@ import trio
 from ckptfs.drain.store import StoreError, UploadInfo, is_retryable, make_error
 from ckptfs.drain.factory import open_store
 from ckptfs.drain.upload import (
+    Backoff,
     RetryState,
+    UploadOptions,
     plan_parts,
     UploadAborted,
     abort_stale_uploads,
@@ -21,6 +23,7 @@ from ckptfs.drain.upload import (
     retry_forever,
     upload_file,
 )
+from upload_hooks import Hooks
 
 
 def err(code: str, status: int | None = None) -> StoreError:
@@ -131,7 +134,7 @@ def test_retry_forever_should_abort_while_backing_off():
     async def main():
         with trio.fail_after(5):
             with pytest.raises(UploadAborted):
-                await retry_forever(op, base=60, cap=60, should_abort=lambda: abort["v"])
+                await retry_forever(op, backoff=Backoff(60, 60), should_abort=lambda: abort["v"])
 
     trio.run(main)
 
@@ -173,8 +176,9 @@ def test_upload_with_flaky_store_retries(tmp_path):
                 },
             )
             res = await upload_file(
-                flaky, "k", src, {}, part_size=1000, concurrency=3, retry_base=0.001, retry_cap=0.01,
-                on_retry=states.append,
+                flaky, "k", src, {},
+                options=UploadOptions(part_size=1000, concurrency=3, backoff=Backoff(0.001, 0.01)),
+                journal=Hooks(retrying=states.append),
             )
             assert res.parts == 6
             assert flaky.attempts[2] == 4 and flaky.attempts[4] == 3 and flaky.attempts[1] == 1
@@ -198,13 +202,13 @@ def test_upload_permanent_error_propagates_and_stays_resumable(tmp_path):
             flaky = FlakyStore(st, {2: [err("AccessDenied", 403)]})
             with pytest.raises(StoreError) as ei:
                 await upload_file(
-                    flaky, "k", src, {}, part_size=1000, concurrency=1, retry_base=0.001,
-                    on_created=lambda r: created.setdefault("r", r),
+                    flaky, "k", src, {}, options=UploadOptions(part_size=1000, concurrency=1, backoff=Backoff(0.001, 30.0)),
+                    journal=Hooks(created=lambda r: created.setdefault("r", r)),
                 )
             assert ei.value.code == "AccessDenied"
             ups = await st.list_multipart_uploads()
             assert [u.upload_id for u in ups] == [created["r"].upload_id]
-            res = await upload_file(st, "k", src, {}, part_size=1000, resume=created["r"])
+            res = await upload_file(st, "k", src, {}, options=UploadOptions(part_size=1000), resume=created["r"])
             assert res.parts_reused == 1 and res.parts_uploaded == 2
             assert await st.get_range("k", 0, 10**9) == src.read_bytes()
 
@@ -230,7 +234,7 @@ def test_custom_retry_policy_hook(tmp_path):
     async def main():
         async with open_store(f"file://{root}") as st:
             flaky = FlakyStore(st, {1: [err("SlowDown", 503)]})
-            await upload_file(flaky, "k", src, {}, part_size=1000, concurrency=1, retry=my_retry)
+            await upload_file(flaky, "k", src, {}, options=UploadOptions(part_size=1000, concurrency=1, retry=my_retry))
 
     trio.run(main)
     assert seen == ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"]
