@@ -42,6 +42,7 @@ from botocore.auth import S3SigV4Auth
 
 from . import localio
 from .store import (
+    S3_LIMITS,
     ListResult,
     MiB,
     ObjectInfo,
@@ -49,7 +50,6 @@ from .store import (
     ObjectSummary,
     PartRecord,
     PutResult,
-    S3_LIMITS,
     StoreError,
     UploadInfo,
     collapse_exception_group,
