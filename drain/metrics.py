@@ -68,19 +68,6 @@ class DrainCollector(Collector):
         self.cache = cache
         self.meta = meta
 
-    def _cache_bytes(self) -> int:
-        used = 0
-        try:
-            with os.scandir(self.cache.data_dir) as entries:
-                for entry in entries:
-                    try:
-                        used += entry.stat(follow_symlinks=False).st_blocks * 512
-                    except FileNotFoundError:
-                        pass
-        except FileNotFoundError:
-            pass
-        return used
-
     def collect(self):
         with self.meta.read() as txn:
             summary = durability.backlog_summary(txn)
@@ -119,7 +106,7 @@ class DrainCollector(Collector):
                                 "Seconds from a file's last close or fsync to its being durable", [],
                                 {"": histograms["time_to_durable_seconds"]}
                                 if "time_to_durable_seconds" in histograms else {})
-        used = self._cache_bytes()
+        used = self.cache.used_bytes()
         cache = GaugeMetricFamily("ckptfs_cache_bytes", "Bytes of cache files, by state", labels=["state"])
         cache.add_metric(["dirty"], min(summary.bytes, used))
         cache.add_metric(["clean"], max(0, used - summary.bytes))

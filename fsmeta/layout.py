@@ -56,6 +56,20 @@ class CacheDir:
     def gateway_log(self) -> str:
         return os.path.join(self.root, "gateway.log")
 
+    def used_bytes(self) -> int:
+        """Disk space the cache files take (allocated blocks: sparse files count what they hold)."""
+        used = 0
+        try:
+            with os.scandir(self.data_dir) as entries:
+                for entry in entries:
+                    try:
+                        used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except FileNotFoundError:
+                        pass  # removed meanwhile
+        except FileNotFoundError:
+            pass
+        return used
+
     def has_meta(self) -> bool:
         return os.path.exists(os.path.join(self.meta_dir, "data.mdb"))
 

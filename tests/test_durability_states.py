@@ -37,6 +37,17 @@ def label(meta: MetaStore, ino: int) -> str:
         return durability.state_label(txn, txn.get_inode(ino))
 
 
+def write(meta: MetaStore, ino: int, now: int) -> None:
+    """What the gateway does before the first write of an epoch."""
+
+    def dirty(txn):
+        inode = txn.get_inode(ino)
+        durability.mark_dirty(txn, inode, now)
+        txn.put_inode(inode)
+
+    meta.write(dirty)
+
+
 def upload(meta: MetaStore, ino: int) -> None:
     """What the drain does for a file: uploading, then durable, then off the queue."""
     generation = inode_of(meta, ino).generation
@@ -67,12 +78,7 @@ def test_a_write_moves_the_generation_and_an_upload_of_the_old_one_is_superseded
     meta.write(lambda txn: durability.mark_uploading(txn, ino, old))
     assert inode_of(meta, ino).state == FileState.UPLOADING
 
-    def write(txn):
-        inode = txn.get_inode(ino)
-        durability.mark_dirty(txn, inode, 200)
-        txn.put_inode(inode)
-
-    meta.write(write)
+    write(meta, ino, 200)
     assert inode_of(meta, ino).generation == old + 1
     # The upload of the old generation may not make it durable, nor mark the new one uploading.
     meta.write(lambda txn: durability.mark_uploading(txn, ino, old))
@@ -87,12 +93,7 @@ def test_a_permanent_error_shows_until_the_next_change(meta):
     with meta.read() as txn:
         assert durability.remote_fsync_state(txn, ino) == "AccessDenied"
 
-    def write(txn):
-        inode = txn.get_inode(ino)
-        durability.mark_dirty(txn, inode, 300)
-        txn.put_inode(inode)
-
-    meta.write(write)
+    write(meta, ino, 300)
     assert label(meta, ino) == "dirty"
 
 
@@ -146,11 +147,6 @@ def test_the_read_path_states_remote_cached_clean_and_evicted(meta):
     assert inode_of(meta, other).state == FileState.REMOTE
 
     # A queued (not yet durable) file is never evicted: its cache file is the only copy.
-    def write(txn):
-        inode = txn.get_inode(ino)
-        durability.mark_dirty(txn, inode, 700)
-        txn.put_inode(inode)
-
-    meta.write(write)
+    write(meta, ino, 700)
     meta.write(lambda txn: durability.mark_evicted(txn, txn.get_inode(ino)))
     assert inode_of(meta, ino).state == FileState.DIRTY

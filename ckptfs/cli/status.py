@@ -122,18 +122,8 @@ def _age(now_ns: int, since_ns: int | None) -> float | None:
 
 
 def _cache_usage(cache: CacheDir, dirty_bytes: int) -> dict:
-    used = 0
-    try:
-        with os.scandir(cache.data_dir) as entries:
-            for entry in entries:
-                try:
-                    used += entry.stat(follow_symlinks=False).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-    except FileNotFoundError:
-        pass
     fs = os.statvfs(cache.root)
-    return {"used_bytes": used, "dirty_bytes": dirty_bytes,
+    return {"used_bytes": cache.used_bytes(), "dirty_bytes": dirty_bytes,
             "device_bytes": fs.f_blocks * fs.f_frsize, "device_free_bytes": fs.f_bavail * fs.f_frsize}
 
 
