@@ -14,14 +14,16 @@ in ``docs/OPERATIONS.md``, and the Helm chart's dashboard and alerts use only th
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import time
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from ckptfs import __version__
 from ckptfs.fsmeta import MetaStore, durability
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import parse_addr
@@ -59,6 +61,33 @@ def _histogram_family(name: str, doc: str, labelnames: list[str], series: dict) 
             cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         family.add_metric([key] if labelnames else [], cumulative, data["sum"])
     return family
+
+
+class TimedStore:
+    """An object store whose requests are timed, by operation, into ``observe(op, seconds)``."""
+
+    OPS = {"put_object": "put", "create_multipart": "create", "upload_part": "upload_part",
+           "complete_multipart": "complete", "abort_multipart": "abort", "copy": "copy",
+           "delete_many": "delete", "head": "head"}
+
+    def __init__(self, store, observe):
+        self._store = store
+        self._observe = observe
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        op = self.OPS.get(name)
+        if op is None:
+            return attr
+
+        async def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await attr(*args, **kwargs)
+            finally:
+                self._observe(op, time.perf_counter() - start)
+
+        return timed
 
 
 class DrainCollector(Collector):
@@ -120,13 +149,34 @@ class DrainCollector(Collector):
                                 value=max(0.0, time.time() - now_s) if now_s else 0.0)
 
 
-def serve(addr: str, registry: CollectorRegistry) -> bool:
-    """Start the /metrics endpoint in a background thread; a busy port is logged, not fatal."""
+def add_build_info(registry: CollectorRegistry) -> None:
+    Gauge("ckptfs_build_info", "Always 1; the version of ckptfs serving these metrics", ["version"],
+          registry=registry).labels(__version__).set(1)
+
+
+def serve(addr: str, registry: CollectorRegistry):
+    """Start the /metrics endpoint in a background thread and return its server (``shutdown()``
+    stops it), or None: a busy port is logged, not fatal."""
     host, port = parse_addr(addr)
     try:
-        start_http_server(port, addr=host, registry=registry)
+        server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         log.warning("metrics endpoint %s not started: %s", addr, exc)
-        return False
+        return None
     log.info("metrics on http://%s:%d/metrics", host, port)
-    return True
+    return server
+
+
+@contextlib.contextmanager
+def standalone_endpoint(addr: str, cache: CacheDir, meta: MetaStore):
+    """The node's endpoint while a drain runs with no gateway (which would serve it otherwise)."""
+    registry = CollectorRegistry(auto_describe=True)
+    add_build_info(registry)
+    registry.register(DrainCollector(cache, meta))
+    server = serve(addr, registry)
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -10,6 +10,7 @@ finishes first; a drain whose gateway is gone exits once the queue is empty.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -23,6 +24,7 @@ from ckptfs.fsmeta.layout import CacheDir, NoCacheHere
 from ckptfs.fsmeta.settings import Settings
 
 from .factory import open_store_for
+from .metrics import standalone_endpoint
 from .store import StoreError, exception_leaves
 from .worker import Drain
 
@@ -91,8 +93,12 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
     except DrainSetupError as exc:
         print(f"ckptfs: {exc}", file=sys.stderr)
         return 1
+    # Supervised, the gateway serves the node's metrics (this drain's included, from fsmeta).
+    endpoint = (contextlib.nullcontext() if supervised
+                else standalone_endpoint(settings.metrics_addr, CacheDir(cache_dir), meta))
     try:
-        trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
+        with endpoint:
+            trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
     except Exception as exc:
         # Raised inside _run's nursery, a StoreError arrives wrapped in an ExceptionGroup.
         leaves = exception_leaves(exc)

@@ -18,6 +18,7 @@ worker thread, and no transaction spans an ``await``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -33,6 +34,7 @@ from ckptfs.fsmeta.txn import Txn
 
 from . import schedule
 from .localio import SourceChangedError
+from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
 from .store import NotFoundError, ObjectStore, PartRecord, StoreError
 from .upload import (
     Backoff,
@@ -52,6 +54,7 @@ log = logging.getLogger("ckptfs.drain")
 
 POLL_SECONDS = 0.1
 STATUS_SECONDS = 1.0
+RATE_SAMPLES = 10  # status periods the published upload rate averages over
 PERMANENT_RETRY_SECONDS = 60.0  # longest wait before retrying a file after a permanent error
 PERMANENT_RETRY_FIRST = 5.0  # first wait; doubles per consecutive failure up to the above
 STALE_UPLOAD_SECONDS = 24 * 3600
@@ -106,6 +109,25 @@ class DrainStats:
     retrying: dict = field(default_factory=dict)  # what -> message
     errors: dict = field(default_factory=dict)  # path -> permanent error
     durable_latency: list = field(default_factory=list)  # recent pending->durable seconds
+    # for Prometheus (ckptfs.drain.metrics reads them back from fsmeta)
+    retries_by_code: collections.Counter = field(default_factory=collections.Counter)
+    errors_by_code: collections.Counter = field(default_factory=collections.Counter)
+    request_seconds: dict = field(default_factory=dict)  # op -> Histogram
+    time_to_durable: Histogram = field(default_factory=lambda: Histogram(DURABLE_BUCKETS))
+    sent_samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES))
+
+    def observe_request(self, op: str, seconds: float) -> None:
+        hist = self.request_seconds.get(op)
+        if hist is None:
+            hist = self.request_seconds[op] = Histogram(REQUEST_BUCKETS)
+        hist.observe(seconds)
+
+    def upload_rate(self, now: float) -> float | None:
+        """Bytes per second over the last RATE_SAMPLES status periods (parts in flight count)."""
+        sent = self.uploaded_bytes + sum(p["done"] for p in self.in_flight.values())
+        self.sent_samples.append((now, sent))
+        (t0, b0), (t1, b1) = self.sent_samples[0], self.sent_samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else None
 
 
 class Drain:
@@ -114,7 +136,6 @@ class Drain:
         self.cache = CacheDir(cache_dir)
         self.meta = meta
         self.settings = settings
-        self.store = store
         self.clock = clock
         self.markers = list(settings.markers)
         self.settle_ns = int(float(settings.settle_seconds) * 1e9)
@@ -127,6 +148,7 @@ class Drain:
         self.failures: dict[int, int] = {}  # ino -> consecutive permanent failures (backoff)
         self.tombstones_running = False
         self.stats = DrainStats()
+        self.store = TimedStore(store, self.stats.observe_request)
         self.idle_since: float | None = None
         self.until_empty = False
         self.buffers_released = False
@@ -247,6 +269,7 @@ class Drain:
             self.stats.retrying.pop(what, None)
             return
         self.stats.retries += 1
+        self.stats.retries_by_code[state.code] += 1
         self.stats.retrying[what] = f"{state.code} (attempt {state.attempt}, next in {state.delay:.1f}s)"
         if state.attempt == 1:
             # visible right away, also before the status loop runs (startup check)
@@ -268,6 +291,7 @@ class Drain:
             # up to a minute: an operator who fixes the bucket policy sees uploads resume soon).
             log.error("upload of %s failed permanently: %s", cand.path, exc)
             self.stats.errors[cand.path] = exc.code
+            self.stats.errors_by_code[exc.code] += 1
             await self._write(durability.mark_error, cand.ino, exc.code)
             n = self.failures[cand.ino] = self.failures.get(cand.ino, 0) + 1
             wait = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS).delay(n)
@@ -340,7 +364,9 @@ class Drain:
             record = RemoteRecord(primary, size, blake3, job.generation, etag or "")
             latency = await self._write(self._commit_file, job, record)
             if latency is not None:
-                self.stats.durable_latency = (self.stats.durable_latency + [latency])[-1000:]
+                since_first_change, since_last_close = latency
+                self.stats.durable_latency = (self.stats.durable_latency + [since_first_change])[-1000:]
+                self.stats.time_to_durable.observe(since_last_close)
         finally:
             self.busy_keys.difference_update(job.keys)
 
@@ -572,8 +598,10 @@ class Drain:
                 raise
         await self._write(lambda txn: txn.delete_upload(ino))
 
-    def _commit_file(self, txn: Txn, job: FileJob, record: RemoteRecord) -> float | None:
-        """Record what is now in the bucket; clear pending only if nothing moved meanwhile."""
+    def _commit_file(self, txn: Txn, job: FileJob, record: RemoteRecord) -> tuple[float, float] | None:
+        """Record what is now in the bucket; clear pending only if nothing moved meanwhile.
+
+        Returns the seconds since the file first became pending and since its last change."""
         inode = txn.get_inode(job.ino)
         txn.delete_upload(job.ino)
         current_keys = sorted(p.decode("utf-8", "surrogateescape") for p in txn.paths_of(job.ino)) if inode else []
@@ -593,7 +621,8 @@ class Drain:
         if current_keys != job.keys or pending is None or pending.changed_ns != job.changed_ns:
             return None  # renamed or changed meanwhile: the next round moves it
         durability.mark_settled(txn, job.ino)
-        return (self.clock() - pending.since_ns) / 1e9
+        now = self.clock()
+        return (now - pending.since_ns) / 1e9, (now - pending.changed_ns) / 1e9
 
     # -- directories -----------------------------------------------------------------------
 
@@ -724,6 +753,7 @@ class Drain:
         except StoreError as exc:
             log.error("deleting objects failed: %s", exc)
             self.stats.errors["(deletes)"] = exc.code
+            self.stats.errors_by_code[exc.code] += 1
             await trio.sleep(PERMANENT_RETRY_SECONDS)
         finally:
             self.tombstones_running = False
@@ -759,6 +789,13 @@ class Drain:
             "retrying": dict(s.retrying),
             "errors": dict(s.errors),
             "durable_latency": s.durable_latency[-100:],
+            "upload_rate_bytes_per_second": s.upload_rate(time.monotonic()),
+            "retries_by_code": dict(s.retries_by_code),
+            "errors_by_code": dict(s.errors_by_code),
+            "histograms": {
+                "upload_request_duration_seconds": {op: h.to_json() for op, h in s.request_seconds.items()},
+                "time_to_durable_seconds": s.time_to_durable.to_json(),
+            },
         }
         await self._write(lambda txn: txn.put_drain_status(status))
 

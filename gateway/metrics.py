@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ckptfs import __version__
 from ckptfs.drain import metrics as drain_metrics
 from ckptfs.fsmeta import MetaStore
 from ckptfs.fsmeta.layout import CacheDir
@@ -32,9 +31,7 @@ WRITE_BYTES = Counter("ckptfs_write_bytes_total", "Bytes written through the mou
 READ_BYTES = Counter("ckptfs_read_bytes_total", "Bytes read through the mount", registry=REGISTRY)
 DATA_PATH = Gauge("ckptfs_data_path", "1 for the data path this gateway runs: passthrough or writeback",
                   ["mode"], registry=REGISTRY)
-BUILD_INFO = Gauge("ckptfs_build_info", "Always 1; the version of ckptfs serving these metrics", ["version"],
-                   registry=REGISTRY)
-BUILD_INFO.labels(__version__).set(1)
+drain_metrics.add_build_info(REGISTRY)
 
 
 def watch_cache(cache_dir: str, meta: MetaStore) -> None:
@@ -47,5 +44,5 @@ def set_data_path(mode: str) -> None:
         DATA_PATH.labels(other).set(1 if other == mode else 0)
 
 
-def serve(addr: str) -> bool:
-    return drain_metrics.serve(addr, REGISTRY)
+def serve(addr: str) -> None:
+    drain_metrics.serve(addr, REGISTRY)

@@ -93,3 +93,37 @@ def test_drain_with_an_unusable_bucket_fails_with_one_line(denv):
     assert "ckptfs: drain:" in result.stderr and "NoSuchBucket" in result.stderr
     assert "Traceback" not in result.stderr
     assert denv.state("f") == "dirty"
+
+
+def test_a_drain_without_a_gateway_serves_the_nodes_metrics(denv):
+    """After a crash (no gateway), `ckptfs drain` is what uploads: its progress must be scrapeable."""
+    import urllib.request
+
+    from conftest import free_port
+
+    port = free_port()
+    denv.meta.put_settings({**denv.settings.to_json(), "metrics_addr": f"127.0.0.1:{port}"})
+    fill(denv)
+    drain = subprocess.Popen([*ckptfs_cmd(), "drain", "--cache-dir", str(denv.cache)], cwd=str(REPO),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+                if "ckptfs_dirty_files 0.0" in text and "ckptfs_uploaded_files_total 4.0" in text:
+                    break
+            except OSError:
+                pass  # not listening yet
+            assert drain.poll() is None, drain.stderr.read()
+            assert time.monotonic() < deadline, "the drain's metrics never showed the cache drained"
+            time.sleep(0.2)
+        assert 'ckptfs_upload_request_duration_seconds_count{op="put"}' in text
+        drain.send_signal(signal.SIGTERM)
+        assert drain.wait(20) == 0
+    finally:
+        if drain.poll() is None:
+            drain.kill()
+            drain.wait()
+        drain.stderr.close()
