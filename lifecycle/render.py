@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import textwrap
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 from .planner import DELETE, TRANSITION, CheckpointPlan, Plan
 
@@ -192,26 +196,19 @@ def _table_rows(plan: Plan, width: int) -> list[str]:
         path_w = max(available - min(longest_reason, 28), min(longest_path, 16, available // 2))
     reason_w = max(available - path_w, 1)
 
-    def line(cells: tuple[str, ...]) -> str:
-        path, size, cls, age, action, reasons = cells
-        return _SEP.join(
-            (
-                path.ljust(path_w),
-                size.rjust(fixed[0]),
-                cls.ljust(fixed[1]),
-                age.rjust(fixed[2]),
-                action.ljust(fixed[3]),
-                reasons,
-            )
-        ).rstrip()
-
-    out = [line(header)]
-    indent = " " * (width - reason_w) if width - reason_w >= 0 else ""
+    table = Table(box=None, pad_edge=False, padding=(0, len(_SEP), 0, 0), show_edge=False)
+    for name, justify in zip(header, ("left", "right", "left", "right", "left", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
     for path, size, cls, age, action, reasons in rows:
-        wrapped = _wrap_items(reasons, reason_w)
-        out.append(line((elide_path(path, path_w), size, cls, age, action, wrapped[0])))
-        out.extend((indent + more).rstrip() for more in wrapped[1:])
-    return out
+        table.add_row(elide_path(path, path_w), size, cls, age, action, "\n".join(_wrap_items(reasons, reason_w)))
+    return render_text(table, width).splitlines()
+
+
+def render_text(renderable, width: int) -> str:
+    """Plain text of a rich renderable at ``width`` columns (no colour: logs and pipes stay clean)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 def _wrap_items(items: list[str], width: int) -> list[str]:
@@ -240,19 +237,19 @@ def _summary_lines(plan: Plan, width: int) -> list[str]:
     label_w = max([len("storage class"), len("cost/month"), *(len(c) for c in classes)])
     priced = s.cost_before is not None
 
-    def row(label: str, before: str, after: str) -> str:
-        return f"{label.ljust(label_w)}  {before.rjust(12)}  {after.rjust(12)}"
-
-    out = [row("storage class", "before", "after")]
+    totals = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_edge=False)
+    totals.add_column("storage class", min_width=label_w, no_wrap=True)
+    totals.add_column("before", justify="right", min_width=12, no_wrap=True)
+    totals.add_column("after", justify="right", min_width=12, no_wrap=True)
     for cls in classes:
-        out.append(row(cls, format_size_long(s.bytes_before[cls]), format_size_long(s.bytes_after[cls])))
-    out.append(
-        row("total", format_size_long(sum(s.bytes_before.values())), format_size_long(sum(s.bytes_after.values())))
-    )
+        totals.add_row(cls, format_size_long(s.bytes_before[cls]), format_size_long(s.bytes_after[cls]))
+    totals.add_row("total", format_size_long(sum(s.bytes_before.values())),
+                   format_size_long(sum(s.bytes_after.values())))
     if priced:
-        out.append(row("cost/month", format_cost(s.cost_before or 0.0), format_cost(s.cost_after or 0.0)))
-        if s.unpriced_classes:
-            out.extend(_wrapped(f"(cost leaves out {', '.join(s.unpriced_classes)}: no price configured)", width))
+        totals.add_row("cost/month", format_cost(s.cost_before or 0.0), format_cost(s.cost_after or 0.0))
+    out = render_text(totals, width).splitlines()
+    if priced and s.unpriced_classes:
+        out.extend(_wrapped(f"(cost leaves out {', '.join(s.unpriced_classes)}: no price configured)", width))
     out.append("")
     tiered = f"{format_size_long(s.bytes_transitioned)} in {_count(s.objects_transitioned, 'object')}"
     deleted = f"{format_size_long(s.bytes_deleted)} in {_count(s.objects_deleted, 'object')}"
