@@ -38,7 +38,7 @@ fi
 
 : >"$LOG"
 fail() { echo "build-fuse: $* (log: $LOG)" >&2; tail -n 30 "$LOG" >&2; exit 1; }
-run() { "$@" >>"$LOG" 2>&1 || fail "failed: $*"; }
+run() { echo "+ [${SECONDS}s] $*" >>"$LOG"; "$@" >>"$LOG" 2>&1 || fail "failed: $*"; }
 mkdir -p "$WORK"
 
 # -- libfuse ---------------------------------------------------------------------------------
@@ -52,8 +52,8 @@ else
     # Build tools from PyPI in their own small venv (not in the project's venv).
     BT=$WORK/tools
     [[ -x $BT/bin/meson && -x $BT/bin/ninja ]] || {
-      run "$PY" -m venv --clear "$BT"
-      run "$BT/bin/pip" install -q meson ninja
+      run "$PY" -m venv --clear --without-pip "$BT"
+      run "$PY" -m pip --python "$BT/bin/python" install -q meson ninja
     }
     # Private apt state: our own sources.list, lists and cache dirs. The system's apt.conf.d
     # (proxy settings, etc.) still applies; the mirror is the one the system uses for Debian.
@@ -68,6 +68,7 @@ else
           -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache" -o APT::Sandbox::User=root \
           -o Debug::NoLocking=1 -q)
     run apt-get "${aopt[@]}" update
+    echo "+ [${SECONDS}s] apt-get source --download-only fuse3" >>"$LOG"
     (cd "$A/src" && apt-get "${aopt[@]}" source --download-only fuse3) >>"$LOG" 2>&1 \
       || fail "apt-get source fuse3 ($FUSE_SUITE) failed"
     dsc=$(ls "$A"/src/fuse3_*.dsc | head -n1)
@@ -92,7 +93,9 @@ fi
 # -- pyfuse3 ---------------------------------------------------------------------------------
 P=$WORK/pyfuse3
 run rm -rf "$P"; mkdir -p "$P"
-run "$PY" -m pip download -q --no-binary :all: --no-deps -d "$P" "pyfuse3==$PYFUSE3_VERSION"
+# --no-binary for pyfuse3 only: ":all:" would also build its build dependencies (Cython) from
+# source to prepare the metadata, which takes minutes.
+run "$PY" -m pip download -q --no-binary pyfuse3 --no-deps -d "$P" "pyfuse3==$PYFUSE3_VERSION"
 run tar xzf "$P/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$P"
 src=$P/pyfuse3-$PYFUSE3_VERSION
 (cd "$src" && patch -p1 --forward <"$PATCH") >>"$LOG" 2>&1 || fail "the patch does not apply"
