@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-need_pkgs=(fuse3 libfuse3-dev pkg-config attr python3-venv curl)
+# build-essential, python3-dev, dpkg-dev: scripts/build-fuse.sh (libfuse 3.17 + patched pyfuse3)
+need_pkgs=(fuse3 libfuse3-dev pkg-config attr python3-venv curl build-essential python3-dev dpkg-dev)
 if [[ "${1:-}" == "--test" ]]; then
   need_pkgs+=(ceph-mon ceph-osd ceph-mgr radosgw ceph-common)
 fi
@@ -22,6 +23,9 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
 fi
+# libfuse >= 3.17 and pyfuse3 with FUSE passthrough, before the package install so that the
+# patched pyfuse3 satisfies the pyfuse3 dependency and pip keeps it.
+scripts/build-fuse.sh .venv >&2
 stamp=.venv/.ckptfs-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   log=.venv/pip-install.log
