@@ -46,8 +46,8 @@ for f in "$MNT"/run1/step_1000/.metadata "$MNT"/run1/step_1000/__0_0.distcp; do
   printf '   %-40s %s\n' "${f#$MNT/}" "$(getfattr --absolute-names --only-values -n user.ckptfs.state "$f")"
 done
 
-echo "== the bucket ($BUCKET): one object per file, no .tmp names"
-(cd "$BUCKET" && find . -type f -not -path './.ckptfs*' -printf '   %-40P %s bytes\n' | sort)
+echo "== the bucket ($BUCKET): one object per file, no .tmp names (object metadata sits in .ckptfs-m.* sidecars)"
+(cd "$BUCKET" && find . -type f -not -path './.ckptfs*' -not -name '.ckptfs-*' -printf '   %-40P %s bytes\n' | sort)
 echo "== blake3 of a shard, from the mount and from the object's metadata"
 printf '   mount:  %s\n' "$(getfattr --absolute-names --only-values -n user.ckptfs.blake3 "$MNT/run1/step_1000/__0_0.distcp")"
 "$PY" -c "import blake3,sys; print('   object:', blake3.blake3(open(sys.argv[1],'rb').read()).hexdigest())" "$BUCKET/run1/step_1000/__0_0.distcp"
