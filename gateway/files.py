@@ -213,3 +213,4 @@ class OpenFiles:
             if last:
                 os.close(of.fd)
                 self._lookups.maybe_purge(of.ino)
+                s.bound_unsynced_names()

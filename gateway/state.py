@@ -21,6 +21,10 @@ from .errors import FsError
 if TYPE_CHECKING:
     from .files import Handle, OpenFile
 
+# Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
+# past this many, closing a file syncs data/ once for all of them.
+UNSYNCED_NAMES_MAX = 4096
+
 
 @dataclass
 class CoreState:
@@ -61,6 +65,17 @@ class CoreState:
         with self.lock:
             if ino not in self.unsynced_cache_names:
                 return
+        self._sync_unsynced_names()
+
+    def bound_unsynced_names(self) -> None:
+        """Keep the set of unsynced names small: sync data/ once it holds too many."""
+        with self.lock:
+            if len(self.unsynced_cache_names) < UNSYNCED_NAMES_MAX:
+                return
+        self._sync_unsynced_names()
+
+    def _sync_unsynced_names(self) -> None:
+        with self.lock:
             covered = set(self.unsynced_cache_names)
         self.sync_data_dir()
         with self.lock:
@@ -74,6 +89,8 @@ class CoreState:
             os.close(dir_fd)
 
     def remove_data(self, ino: int) -> None:
+        with self.lock:
+            self.unsynced_cache_names.discard(ino)
         try:
             os.unlink(self.data_path(ino))
         except FileNotFoundError:

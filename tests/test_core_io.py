@@ -382,3 +382,21 @@ def test_recovery_removes_cache_files_of_inodes_that_do_not_exist(core_env):
     assert not os.path.exists(stray)
     assert all(os.path.exists(p) for p in foreign)  # not a cache file name: left alone
     assert read_all(core, ino) == b"kept"
+
+
+def test_names_awaiting_a_data_dir_fsync_do_not_pile_up(core, monkeypatch):
+    """Checkpoints are often closed without fsync: the gateway must not remember every
+    such cache file forever."""
+    from ckptfs.gateway import state
+
+    monkeypatch.setattr(state, "UNSYNCED_NAMES_MAX", 3)
+    synced = data_dir_fsyncs(core, monkeypatch)
+    for i in range(7):
+        fh, _ = new_file(core, b"f%d" % i)
+        core.release(fh)
+    assert len(core._state.unsynced_cache_names) < 3 and len(synced) == 2
+    fh, ino = new_file(core, b"gone")
+    core.release(fh)
+    core.unlink(ROOT, b"gone")
+    core.forget([(ino, 1)])
+    assert ino not in core._state.unsynced_cache_names
