@@ -27,6 +27,8 @@ Layout under the root directory ``D``:
 * every put/copy/complete writes a temp file ``.ckptfs-tmp.*`` in the target
   directory, fsyncs it, renames it over the key and fsyncs the directory: a
   crash never leaves a partial object.
+* an object file has the permission bits of its ``mode`` metadata (the file it
+  stores), plus owner read; 0644 without one.
 
 Path components starting with ``.ckptfs-`` are reserved for sidecars, temp
 files and uploads (never listed); a key using one, or with an empty, ``.`` or
@@ -90,6 +92,17 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _permissions(meta: Mapping[str, str]) -> int:
+    """An object file's permission bits: those of the file it stores (its ``mode``
+    metadata), as a local copy would have them; the owner (the store) keeps read,
+    so it can still copy the object for a rename. 0644 without a usable ``mode``."""
+    try:
+        mode = int(meta.get("mode", ""))
+    except ValueError:
+        return 0o644
+    return (mode & 0o777) | 0o400
 
 
 def _utc(ts: float) -> _dt.datetime:
@@ -270,6 +283,7 @@ class FileStore(ObjectStore):
         """fsync the temp file, rename it over ``final``, fsync the
         directory, then write the sidecar."""
         try:
+            os.fchmod(fd, _permissions(rec["meta"]))
             os.fsync(fd)
             st = os.fstat(fd)
         finally:

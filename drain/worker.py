@@ -62,8 +62,9 @@ IDLE_RELEASE_SECONDS = 5.0
 WAIT_SOURCE_SECONDS = 0.2  # re-check of a file whose key still holds another inode's content
 
 
-def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "") -> dict[str, str]:
-    """s3fs/rclone-compatible object metadata (mode/uid/gid decimal, mtime in seconds)."""
+def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "", rdev: int = 0) -> dict[str, str]:
+    """s3fs/rclone-compatible object metadata (mode/uid/gid decimal, mtime in seconds;
+    a device's number as ``rdev``, as s3fs does)."""
     meta = {
         "mode": str(mode),
         "uid": str(uid),
@@ -72,6 +73,8 @@ def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = 
     }
     if blake3:
         meta["blake3"] = blake3
+    if rdev:
+        meta["rdev"] = str(rdev)
     return meta
 
 
@@ -95,6 +98,8 @@ class FileJob:
     upload: UploadRecord | None
     reason: str
     prior_attempt: bool = False  # state UPLOADING: an earlier attempt may have left an upload behind
+    special: bool = False  # FIFO, socket or device: an empty object, no cache file
+    rdev: int = 0
 
 
 @dataclass
@@ -316,6 +321,7 @@ class Drain:
             ino, inode.generation, keys, pending.changed_ns, inode.size, inode.mode, inode.uid,
             inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
             txn.get_upload(ino), pending.reason, inode.state == FileState.UPLOADING,
+            special=not (inode.is_reg or inode.is_dir or inode.is_symlink), rdev=inode.rdev,
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:
@@ -337,7 +343,7 @@ class Drain:
             primary = job.keys[0]
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
-                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3)
+                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
                         try:
@@ -354,7 +360,7 @@ class Drain:
                 etag, blake3, size = await self._upload(job, primary)
                 if etag is None:
                     return  # generation moved during the upload: requeued
-                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3)
+                meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
                 for key in job.keys[1:]:
                     await self._retry(f"copy {primary} -> {key}",
                                       lambda key=key: self.store.copy(primary, key, metadata=meta))
@@ -415,7 +421,7 @@ class Drain:
         if inode is None or remote is None:
             return True
         try:
-            cached = job.is_symlink or (
+            cached = job.is_symlink or job.special or (
                 os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
         except FileNotFoundError:
             cached = False
@@ -466,8 +472,8 @@ class Drain:
         if its generation moved meanwhile (the caller leaves it queued)."""
 
         await self._write(durability.mark_uploading, job.ino, job.generation)
-        meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns)
-        if job.is_symlink:
+        meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, rdev=job.rdev)
+        if job.is_symlink or job.special:
             result = await upload_bytes(self.store, key, job.target, meta, journal=self.status_journal)
             return result.etag, result.blake3, len(job.target)
 

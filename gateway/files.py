@@ -35,7 +35,6 @@ class OpenFile:
     writers: int = 0
     attrs_dirty: bool = False  # size/mtime changed since last persisted
     needs_bump: bool = True  # next modification must bump the generation first
-    new_cache_file: bool = False  # created since the data directory was last fsynced
     write_behind: WriteBehind = field(default_factory=WriteBehind)  # see gateway/writeback.py
     io_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -61,15 +60,8 @@ class OpenFiles:
         with s.lock:
             of = s.open_files.get(inode.ino)
             if of is None:
-                path = s.data_path(inode.ino)
-                try:
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                    created = False
-                except FileNotFoundError:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                    created = True
+                fd = s.open_cache_file(inode.ino)
                 of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns)
-                of.new_cache_file = created
                 s.open_files[inode.ino] = of
             of.refs += 1
             if writable:
@@ -159,18 +151,22 @@ class OpenFiles:
                     durability.mark_written(txn, of.ino, s.clock())
                 txn.put_inode(inode)
 
-            s.meta.write(persist)
+            try:
+                s.meta.write(persist)
+            except BaseException:
+                with s.lock:
+                    of.attrs_dirty = True  # not stored: the next flush or fsync tries again
+                raise
             of.needs_bump = True
 
     def truncate_data(self, ino: int, size: int) -> None:
         s = self._state
-        path = s.data_path(ino)
         with s.lock:
             of = s.open_files.get(ino)
         if of is not None:
             os.ftruncate(of.fd, size)
         else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = s.open_cache_file(ino)
             try:
                 os.ftruncate(fd, size)
             finally:
@@ -185,34 +181,36 @@ class OpenFiles:
         h = self.handle(fh)
         of = h.open_file
         (os.fdatasync if datasync else os.fsync)(of.fd)
-        if of.new_cache_file:
-            # The cache file's own name must survive a power cut too.
-            dir_fd = os.open(self._state.cache.data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            of.new_cache_file = False
+        # The cache file's own name must survive a power cut too, whichever handle
+        # (or truncate) created it.
+        self._state.sync_cache_names(of.ino)
         self.persist(of)
         self._state.meta.sync()
 
     def release(self, fh: int) -> None:
+        """Drop the handle. Whatever fails on the way, the writer count in fsmeta and the
+        open-file reference go too (else the file never drains); the error is reported after."""
         s = self._state
         with s.lock:
             h = s.handles.pop(fh, None)
         if h is None:
             raise FsError(errno.EBADF)
         of = h.open_file
-        if h.writable:
-            self.persist(of)
-            s.meta.write(lambda txn: txn.add_writer(of.ino, -1))
-        with s.lock:
-            of.refs -= 1
+        try:
             if h.writable:
-                of.writers -= 1
-            last = of.refs == 0
+                try:
+                    self.persist(of)
+                finally:
+                    s.meta.write(lambda txn: txn.add_writer(of.ino, -1))
+        finally:
+            with s.lock:
+                of.refs -= 1
+                if h.writable:
+                    of.writers -= 1
+                last = of.refs == 0
+                if last:
+                    del s.open_files[of.ino]
             if last:
-                del s.open_files[of.ino]
-        if last:
-            os.close(of.fd)
-            self._lookups.maybe_purge(of.ino)
+                os.close(of.fd)
+                self._lookups.maybe_purge(of.ino)
+                s.bound_unsynced_names()

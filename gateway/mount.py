@@ -206,7 +206,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
 
     core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix)
     recovered = core.recover()
-    if recovered["purged_orphans"] or recovered["trimmed_files"]:
+    if any(recovered.values()):
         log.info("recovered cache: %s", recovered)
     supervisor = DrainSupervisor(settings)
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None

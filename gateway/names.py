@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import errno
 
+from ckptfs.drain.filestore import RESERVED
 from ckptfs.fsmeta import Txn
 
 from .errors import FsError
 
 NAME_MAX = 255
 S3_KEY_MAX = 1024
+RESERVED_PREFIX = RESERVED.encode()  # a file:// bucket keeps its own records under such names
 
 
 def check_name(name: bytes) -> None:
@@ -22,6 +24,9 @@ def check_name(name: bytes) -> None:
         name.decode("utf-8")
     except UnicodeDecodeError:
         raise FsError(errno.EILSEQ, "names must be valid UTF-8 to be stored as S3 keys") from None
+    if name.startswith(RESERVED_PREFIX):
+        # Refused for every bucket: a checkpoint must stay copyable between S3 and file://.
+        raise FsError(errno.EINVAL, f"names starting with {RESERVED!r} are reserved by the file:// bucket")
 
 
 def rel_key(txn: Txn, parent: int, name: bytes) -> str:

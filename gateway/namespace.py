@@ -7,6 +7,7 @@ to the bucket (``durability.mark_*``, tombstones for keys that must go).
 from __future__ import annotations
 
 import errno
+import os
 import stat
 from typing import TYPE_CHECKING
 
@@ -93,10 +94,19 @@ class Namespace:
         return self._create_node(parent, name, stat.S_IFDIR | (stat.S_IMODE(mode) & ~caller.umask), caller)
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, caller: Caller) -> Inode:
-        if not stat.S_ISREG(mode):
-            # A bucket can hold files, directories and symlinks, nothing else.
-            raise FsError(errno.EPERM, "only regular files, directories and symlinks can be stored")
-        return self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller)
+        kind = stat.S_IFMT(mode)
+        if kind == stat.S_IFREG:
+            inode = self.create_file(parent, name, mode, caller)
+            os.close(self._state.open_cache_file(inode.ino))  # the drain uploads from it
+            return inode
+        if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise FsError(errno.EINVAL, f"mknod cannot make file type {kind:o}")
+        is_device = kind in (stat.S_IFCHR, stat.S_IFBLK)
+        if is_device and caller.uid != 0:
+            raise FsError(errno.EPERM, "only root may make device nodes")  # CAP_MKNOD, as the kernel checks
+        # No cache file: the bucket holds an empty object with the mode (and rdev) as metadata.
+        return self._create_node(parent, name, kind | (stat.S_IMODE(mode) & ~caller.umask), caller,
+                                 rdev=rdev if is_device else 0)
 
     def symlink(self, parent: int, name: bytes, target: bytes, caller: Caller) -> Inode:
         if len(target) > 4095:

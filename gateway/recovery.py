@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ckptfs.fsmeta import Txn
 
 from .state import CoreState
+
+log = logging.getLogger(__name__)
 
 
 def recover(state: CoreState) -> dict:
@@ -15,7 +18,8 @@ def recover(state: CoreState) -> dict:
     No handle or kernel reference survives a restart, so: open-writer counts
     are cleared, unlinked-but-open inodes are purged, and cache files of
     modified inodes are cut to the size fsmeta recorded (bytes past it were
-    never acknowledged by fsync).
+    never acknowledged by fsync). Cache files whose inode no longer exists (a crash
+    between the commit that dropped the inode and the unlink of its file) are removed.
     """
     def fix(txn: Txn) -> dict:
         txn.clear_writers()
@@ -39,12 +43,40 @@ def recover(state: CoreState) -> dict:
         state.remove_data(ino)
     trimmed = 0
     for ino, size in result["sizes"].items():
-        path = state.data_path(ino)
         try:
-            if os.stat(path).st_size > size:
-                os.truncate(path, size)
-                trimmed += 1
+            fd = state.open_cache_file(ino, create=False)
         except FileNotFoundError:
-            pass
+            continue
+        try:
+            if os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)
+                trimmed += 1
+        finally:
+            os.close(fd)
+    strays = remove_stray_cache_files(state)
+    # Names created by the crashed run may still be only in the page cache: from here
+    # on, fsync of a file syncs data/ only for cache files this run creates.
+    state.sync_data_dir()
     state.meta.sync()
-    return {"purged_orphans": len(result["purged"]), "trimmed_files": trimmed}
+    return {"purged_orphans": len(result["purged"]), "trimmed_files": trimmed, "stray_cache_files": strays}
+
+
+def remove_stray_cache_files(state: CoreState) -> int:
+    """Remove ``data/<hex>`` files whose inode is not in fsmeta; leave anything else alone."""
+    by_ino = {}
+    with os.scandir(state.cache.data_dir) as entries:
+        for entry in entries:
+            try:
+                ino = int(entry.name, 16)
+            except ValueError:
+                ino = None
+            if ino is None or f"{ino:x}" != entry.name:
+                log.warning("cache directory: %s is not a cache file name; leaving it alone", entry.path)
+                continue
+            by_ino[ino] = entry.name
+    with state.meta.read() as txn:
+        strays = [ino for ino in by_ino if txn.get_inode(ino) is None]
+    for ino in strays:
+        log.info("cache directory: removing %s, the cache file of a deleted inode", by_ino[ino])
+        state.remove_data(ino)
+    return len(strays)

@@ -21,6 +21,10 @@ from .errors import FsError
 if TYPE_CHECKING:
     from .files import Handle, OpenFile
 
+# Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
+# past this many, closing a file syncs data/ once for all of them.
+UNSYNCED_NAMES_MAX = 4096
+
 
 @dataclass
 class CoreState:
@@ -32,11 +36,61 @@ class CoreState:
     open_files: dict[int, OpenFile] = field(default_factory=dict)  # by inode
     handles: dict[int, Handle] = field(default_factory=dict)  # by fh, files and directories
     next_fh: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # Inodes whose cache file was created since data/ was last fsynced: an fsync of
+    # the file must also make its name in data/ durable.
+    unsynced_cache_names: set[int] = field(default_factory=set)
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
 
+    def open_cache_file(self, ino: int, *, create: bool = True) -> int:
+        """An O_RDWR fd on the inode's cache file, created if missing (and ``create``).
+
+        O_NOFOLLOW: a symlink planted in data/ must not redirect a user's bytes elsewhere.
+        """
+        path = self.data_path(ino)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+        fd = os.open(path, flags | os.O_CREAT, 0o600)
+        with self.lock:
+            self.unsynced_cache_names.add(ino)
+        return fd
+
+    def sync_cache_names(self, ino: int) -> None:
+        """fsync data/ if the inode's cache file may have a name not yet on the device."""
+        with self.lock:
+            if ino not in self.unsynced_cache_names:
+                return
+        self._sync_unsynced_names()
+
+    def bound_unsynced_names(self) -> None:
+        """Keep the set of unsynced names small: sync data/ once it holds too many."""
+        with self.lock:
+            if len(self.unsynced_cache_names) < UNSYNCED_NAMES_MAX:
+                return
+        self._sync_unsynced_names()
+
+    def _sync_unsynced_names(self) -> None:
+        with self.lock:
+            covered = set(self.unsynced_cache_names)
+        self.sync_data_dir()
+        with self.lock:
+            self.unsynced_cache_names -= covered  # every name created before the fsync
+
+    def sync_data_dir(self) -> None:
+        dir_fd = os.open(self.cache.data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
     def remove_data(self, ino: int) -> None:
+        with self.lock:
+            self.unsynced_cache_names.discard(ino)
         try:
             os.unlink(self.data_path(ino))
         except FileNotFoundError:

@@ -279,3 +279,124 @@ def test_new_file_never_shows_a_stale_cache_file_of_its_inode_number(core):
     core.setattr(attr.ino, SetattrRequest(size=29), fh)
     assert core.read(fh, 0, 100) == bytes(29)
     core.release(fh)
+
+
+def test_release_drops_handle_and_writer_count_even_when_persisting_fails(core, monkeypatch):
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"data")
+
+    def full_device(of):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(core._files, "persist", full_device)
+        with pytest.raises(OSError) as exc:
+            core.release(fh)
+    assert exc.value.errno == errno.ENOSPC  # reported...
+    with core.meta.read() as txn:
+        assert txn.writer_count(ino) == 0  # ...but the drain is not blocked by a dead writer
+    assert ino not in core._open
+    assert err(core.release, fh) == errno.EBADF
+    # The file can be opened, written and closed again, and its size is stored.
+    fh = core.open(ino, os.O_WRONLY)
+    core.write(fh, 0, b"again")
+    core.release(fh)
+    assert core.getattr(ino).size == 5 and read_all(core, ino) == b"again"
+
+
+def data_dir_fsyncs(core, monkeypatch) -> list[int]:
+    """Record each fsync of the cache's data/ directory."""
+    calls = []
+    real_fsync = os.fsync
+    data_dir = os.stat(core.data_dir)
+
+    def spy(fd):
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (data_dir.st_dev, data_dir.st_ino):
+            calls.append(fd)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
+def test_fsync_makes_the_cache_file_name_durable_after_reopen(core, monkeypatch):
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"data")
+    core.release(fh)  # its cache file's name is not on the device yet
+    synced = data_dir_fsyncs(core, monkeypatch)
+    fh = core.open(ino, os.O_RDWR)
+    core.fsync(fh, False)
+    assert len(synced) == 1
+    core.fsync(fh, True)
+    assert len(synced) == 1  # once is enough
+    core.release(fh)
+
+
+def test_fsync_makes_a_cache_file_made_by_truncate_durable(core, monkeypatch):
+    fh, ino = new_file(core)
+    core.fsync(fh, False)
+    core.release(fh)
+    os.unlink(core._data_path(ino))  # e.g. evicted once its bytes were in the bucket
+    core.setattr(ino, SetattrRequest(size=10))  # truncate re-creates the cache file
+    synced = data_dir_fsyncs(core, monkeypatch)
+    fh = core.open(ino, os.O_RDWR)
+    core.fsync(fh, False)
+    core.release(fh)
+    assert len(synced) == 1
+
+
+def test_a_symlink_planted_in_the_cache_is_not_followed(core, tmp_path):
+    fh, ino = new_file(core)
+    core.release(fh)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = core._data_path(ino)
+    os.unlink(path)
+    os.symlink(victim, path)
+    with pytest.raises(OSError) as exc:
+        core.open(ino, os.O_WRONLY)
+    assert exc.value.errno == errno.ELOOP
+    with pytest.raises(OSError):
+        core.setattr(ino, SetattrRequest(size=0))
+    assert victim.read_bytes() == b"precious"
+    with core.meta.read() as txn:
+        assert txn.writer_count(ino) == 0
+
+
+def test_recovery_removes_cache_files_of_inodes_that_do_not_exist(core_env):
+    core = core_env.core
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"kept")
+    core.release(fh)
+    data = core.data_dir
+    # A crash after the commit that dropped an inode, before its cache file was unlinked.
+    stray = os.path.join(data, f"{ino + 1000:x}")
+    with open(stray, "wb") as f:
+        f.write(b"bytes of a deleted file")
+    foreign = [os.path.join(data, name) for name in ("notes.txt", "0x10", "00ff")]
+    for path in foreign:
+        open(path, "wb").close()
+    core = core_env.reopen(recover=False)
+    assert core.recover()["stray_cache_files"] == 1
+    assert not os.path.exists(stray)
+    assert all(os.path.exists(p) for p in foreign)  # not a cache file name: left alone
+    assert read_all(core, ino) == b"kept"
+
+
+def test_names_awaiting_a_data_dir_fsync_do_not_pile_up(core, monkeypatch):
+    """Checkpoints are often closed without fsync: the gateway must not remember every
+    such cache file forever."""
+    from ckptfs.gateway import state
+
+    monkeypatch.setattr(state, "UNSYNCED_NAMES_MAX", 3)
+    synced = data_dir_fsyncs(core, monkeypatch)
+    for i in range(7):
+        fh, _ = new_file(core, b"f%d" % i)
+        core.release(fh)
+    assert len(core._state.unsynced_cache_names) < 3 and len(synced) == 2
+    fh, ino = new_file(core, b"gone")
+    core.release(fh)
+    core.unlink(ROOT, b"gone")
+    core.forget([(ino, 1)])
+    assert ino not in core._state.unsynced_cache_names

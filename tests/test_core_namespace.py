@@ -119,12 +119,42 @@ def test_names_must_be_utf8(core):
     assert "ünïcode-✓".encode() in names(core, ROOT)
 
 
-def test_mknod_only_makes_regular_files(core):
-    for mode in (stat.S_IFIFO, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFSOCK):
-        assert err(core.mknod, ROOT, b"dev", mode | 0o644, 0, ROOT_CALLER) == errno.EPERM
+def test_mknod_makes_fifos_sockets_and_devices(core):
+    fifo = core.mknod(ROOT, b"fifo", stat.S_IFIFO | 0o666, 0, USER)
+    assert fifo.mode == stat.S_IFIFO | 0o644 and fifo.uid == 1000 and fifo.size == 0
+    sock = core.mknod(ROOT, b"sock", stat.S_IFSOCK | 0o755, 0, ROOT_CALLER)
+    assert stat.S_ISSOCK(core.getattr(sock.ino).mode)
+    rdev = os.makedev(1, 3)
+    chr_ = core.mknod(ROOT, b"null", stat.S_IFCHR | 0o666, rdev, ROOT_CALLER)
+    blk = core.mknod(ROOT, b"blk", stat.S_IFBLK | 0o600, os.makedev(7, 0), ROOT_CALLER)
+    assert (core.getattr(chr_.ino).mode, core.getattr(chr_.ino).rdev) == (stat.S_IFCHR | 0o644, rdev)
+    assert core.getattr(blk.ino).rdev == os.makedev(7, 0) and stat.S_ISBLK(blk.mode)
+    # Device nodes need CAP_MKNOD, as on a local filesystem; no cache file for any of them.
+    assert err(core.mknod, ROOT, b"dev", stat.S_IFCHR | 0o644, rdev, USER) == errno.EPERM
+    assert sorted(os.listdir(core.data_dir)) == []
+    assert sorted(names(core, ROOT)) == [b"blk", b"fifo", b"null", b"sock"]
+
+
+def test_mknod_of_a_regular_file_gets_a_cache_file(core):
     attr = core.mknod(ROOT, b"reg", stat.S_IFREG | 0o600, 0, ROOT_CALLER)
     assert stat.S_ISREG(attr.mode) and attr.size == 0
+    assert os.path.isfile(core._data_path(attr.ino))  # so the drain can upload it
     assert names(core, ROOT) == [b"reg"]
+
+
+def test_names_reserved_by_the_file_bucket_are_einval(core):
+    d = core.mkdir(ROOT, b"d", 0o755, ROOT_CALLER)
+    f = mkfile(core, ROOT, b"f")
+    bad = b".ckptfs-m.f"
+    assert err(core.create, ROOT, bad, 0o644, os.O_WRONLY, ROOT_CALLER) == errno.EINVAL
+    assert err(core.mkdir, d.ino, b".ckptfs-multipart", 0o755, ROOT_CALLER) == errno.EINVAL
+    assert err(core.mknod, ROOT, bad, stat.S_IFREG | 0o644, 0, ROOT_CALLER) == errno.EINVAL
+    assert err(core.symlink, ROOT, bad, b"f", ROOT_CALLER) == errno.EINVAL
+    assert err(core.link, f, d.ino, bad) == errno.EINVAL
+    assert err(core.rename, ROOT, b"f", d.ino, b".ckptfs-tmp.x") == errno.EINVAL
+    # Only a leading ".ckptfs-" is reserved.
+    mkfile(core, ROOT, b"x.ckptfs-1")
+    assert sorted(names(core, ROOT)) == [b"d", b"f", b"x.ckptfs-1"]
 
 
 def test_symlink_and_readlink(core):

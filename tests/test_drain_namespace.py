@@ -6,6 +6,7 @@ file:// bucket; a recording store wrapper shows what was sent.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -14,9 +15,13 @@ import blake3
 import pytest
 import trio
 
-from ckptfs.gateway.core import RENAME_EXCHANGE
+from ckptfs.fsmeta import locks
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.gateway.core import RENAME_EXCHANGE, Caller, SetattrRequest
 
 from test_drain_support import MiB, RecStore, USER, denv  # noqa: F401
+
+ROOT = Caller(uid=0, gid=0, umask=0o022)
 
 
 def check_object(env, path: str, data: bytes) -> None:
@@ -478,3 +483,51 @@ def test_rename_keeps_storage_class_and_tags(denv):
             return await st.get_tags("ck2/a")
     assert trio.run(tags) == {"ckptfs-tier": "COLD"}
     assert denv.object_bytes("ck2/a") == data
+
+
+def test_fifos_sockets_and_devices_are_empty_objects_with_mode_and_rdev(denv):
+    root = denv.mkdir("run")
+    rdev = os.makedev(1, 3)
+    made = {
+        "run/fifo": denv.core.mknod(root, b"fifo", stat.S_IFIFO | 0o640, 0, USER),
+        "run/sock": denv.core.mknod(root, b"sock", stat.S_IFSOCK | 0o755, 0, USER),
+        "run/null": denv.core.mknod(root, b"null", stat.S_IFCHR | 0o666, rdev, ROOT),
+        "run/COMPLETE": denv.core.mknod(root, b"COMPLETE", stat.S_IFREG | 0o644, 0, USER),
+    }
+    denv.drain()
+    assert sorted(denv.listing()) == sorted(made)
+    for path, attr in made.items():
+        assert denv.object_bytes(path) == b""
+        meta = denv.head(path).metadata
+        assert int(meta["mode"]) == attr.mode  # carries the file type bits, as s3fs stores them
+        assert int(meta.get("rdev", "0")) == attr.rdev
+        assert denv.state(path) == "durable"
+    assert stat.S_ISCHR(int(denv.head("run/null").metadata["mode"])) and made["run/null"].rdev == rdev
+    # chmod and rename of a FIFO follow it to the bucket.
+    denv.core.setattr(made["run/fifo"].ino, SetattrRequest(mode=0o600))
+    denv.rename("run/null", "run/zero")
+    denv.drain()
+    assert sorted(denv.listing()) == ["run/COMPLETE", "run/fifo", "run/sock", "run/zero"]
+    assert int(denv.head("run/fifo").metadata["mode"]) == stat.S_IFIFO | 0o600
+    assert denv.head("run/zero").metadata["rdev"] == str(rdev)
+
+
+def test_file_whose_close_failed_to_persist_still_drains(denv, monkeypatch):
+    lock_fd = locks.acquire(CacheDir(denv.cache).gateway_lock)  # a live gateway: writers count
+    try:
+        fh, ino = denv.create("ckpt/model.pt")
+        denv.core.write(fh, 0, b"weights")
+        denv.core.flush(fh)
+
+        def full_device(of):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with monkeypatch.context() as m:
+            m.setattr(denv.core._files, "persist", full_device)
+            with pytest.raises(OSError):
+                denv.core.release(fh)
+        denv.drain(timeout=10)  # the failed close left no writer behind to hold the upload back
+    finally:
+        os.close(lock_fd)
+    assert denv.listing() == ["ckpt/model.pt"] and denv.object_bytes("ckpt/model.pt") == b"weights"
+    assert denv.state("ckpt/model.pt") == "durable"

@@ -481,10 +481,32 @@ def test_user_xattrs(mnt):
     assert errno_of(os.setxattr, p, "user.ckptfs.state", b"durable") == errno.EPERM
 
 
-def test_mknod_only_regular_files(mnt):
-    assert errno_of(os.mkfifo, mnt / "fifo") == errno.EPERM
-    os.mknod(mnt / "reg", stat.S_IFREG | 0o600)
-    assert stat.S_ISREG(os.stat(mnt / "reg").st_mode)
+def test_mknod_makes_fifos_sockets_devices_and_files(mnt):
+    os.mkfifo(mnt / "fifo", 0o640)
+    st = os.stat(mnt / "fifo")
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_size == 0
+    os.mknod(mnt / "null", stat.S_IFCHR | 0o644, os.makedev(1, 3))
+    st = os.stat(mnt / "null")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    # A UNIX socket bound in a directory on the mount (relative path: sun_path is short).
+    subprocess.run([sys.executable, "-c", "import socket; socket.socket(socket.AF_UNIX).bind('sock')"],
+                   cwd=mnt, check=True)
+    assert stat.S_ISSOCK(os.stat(mnt / "sock").st_mode)
+    os.mknod(mnt / "COMPLETE", stat.S_IFREG | 0o600)
+    st = os.stat(mnt / "COMPLETE")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 0
+    assert (mnt / "COMPLETE").read_bytes() == b""
+    assert sorted(os.listdir(mnt)) == ["COMPLETE", "fifo", "null", "sock"]
+
+
+def test_names_reserved_by_the_file_bucket_are_einval(mnt):
+    assert errno_of(os.open, mnt / ".ckptfs-m.x", os.O_CREAT | os.O_WRONLY) == errno.EINVAL
+    assert errno_of(os.mkdir, mnt / ".ckptfs-multipart") == errno.EINVAL
+    (mnt / "f").write_bytes(b"x")
+    assert errno_of(os.rename, mnt / "f", mnt / ".ckptfs-tmp.1") == errno.EINVAL
+    assert errno_of(os.link, mnt / "f", mnt / ".ckptfs-x") == errno.EINVAL
+    assert errno_of(os.symlink, "f", mnt / ".ckptfs-x") == errno.EINVAL
+    assert os.listdir(mnt) == ["f"]
 
 
 def test_name_rules(mnt):

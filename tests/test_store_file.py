@@ -282,3 +282,29 @@ def test_sidecar_stale_record_is_ignored(tmp_path):
 def _write(p, data):
     p.write_bytes(data)
     return p
+
+
+def test_objects_have_the_permission_bits_of_their_files(store, tmp_path):
+    """A file:// object is readable by whom the file was readable, as a local copy would be."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 100)
+
+    def perms(key):
+        return os.stat(os.path.join(store.root, key)).st_mode & 0o7777
+
+    async def main():
+        await store.put_object("private", b"secret", {"mode": str(0o100600)})
+        await store.put_object("shared", b"open", {"mode": str(0o100664)})
+        await store.put_object("setuid", b"x", {"mode": str(0o104750)})
+        await store.put_object("no-mode", b"x", {})
+        assert (perms("private"), perms("shared"), perms("setuid"), perms("no-mode")) == (0o600, 0o664, 0o750, 0o644)
+        # A chmod reaches the bucket as a copy with new metadata; a rename as a copy.
+        await store.copy("shared", "shared", {"mode": str(0o100640)})
+        await store.copy("private", "renamed", {"mode": str(0o100600)})
+        assert (perms("shared"), perms("renamed")) == (0o640, 0o600)
+        uid = await store.create_multipart("big", {"mode": str(0o100600)})
+        part = await store.upload_part("big", uid, 1, src, 0, 100)
+        await store.complete_multipart("big", uid, [part])
+        assert perms("big") == 0o600
+
+    run(main)
