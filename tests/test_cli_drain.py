@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,11 +47,23 @@ def test_drain_until_empty_flushes_a_cache_without_a_gateway(denv):
     assert CacheDir(denv.cache).drain_pid() is None
 
 
+@contextlib.contextmanager
+def running_drain(env):
+    """``ckptfs drain --cache-dir`` in the background; killed at the end if it is still running."""
+    proc = subprocess.Popen([*ckptfs_cmd(), "drain", "--cache-dir", str(env.cache)], cwd=str(REPO),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
 def test_second_drain_on_the_same_cache_is_refused(denv):
     fill(denv)
-    first = subprocess.Popen([*ckptfs_cmd(), "drain", "--cache-dir", str(denv.cache)], cwd=str(REPO),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with running_drain(denv) as first:
         deadline = time.monotonic() + 30
         while CacheDir(denv.cache).drain_pid() != first.pid:
             assert first.poll() is None, first.stderr.read()
@@ -69,11 +82,6 @@ def test_second_drain_on_the_same_cache_is_refused(denv):
 
         first.send_signal(signal.SIGTERM)
         assert first.wait(20) == 0
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-        first.stderr.close()
     assert CacheDir(denv.cache).drain_pid() is None
 
 
@@ -104,9 +112,7 @@ def test_a_drain_without_a_gateway_serves_the_nodes_metrics(denv):
     port = free_port()
     denv.meta.put_settings({**denv.settings.to_json(), "metrics_addr": f"127.0.0.1:{port}"})
     fill(denv)
-    drain = subprocess.Popen([*ckptfs_cmd(), "drain", "--cache-dir", str(denv.cache)], cwd=str(REPO),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with running_drain(denv) as drain:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -122,8 +128,3 @@ def test_a_drain_without_a_gateway_serves_the_nodes_metrics(denv):
         assert 'ckptfs_upload_request_duration_seconds_count{op="put"}' in text
         drain.send_signal(signal.SIGTERM)
         assert drain.wait(20) == 0
-    finally:
-        if drain.poll() is None:
-            drain.kill()
-            drain.wait()
-        drain.stderr.close()
