@@ -10,7 +10,10 @@ Rules (docs/ARCHITECTURE.md, "Drain order"):
   until no other pending file below its directory is left, except markers in
   the same directory (they would wait for each other forever). Markers in
   deeper directories do count, so ``run/latest`` waits for
-  ``run/step_9/.metadata``.
+  ``run/step_9/.metadata``. A pending directory at, below or above the
+  marker's directory blocks it too: after ``mv tmp-ckpt ckpt`` the files below
+  ``ckpt`` are queued only when the drain expands that directory, and until then
+  they are still at their old keys.
 * Deletions go the other way: markers first (see :func:`order_tombstones`), so
   a half-deleted checkpoint never looks complete.
 """
@@ -46,6 +49,7 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
              busy: set[int]) -> list[Candidate]:
     """The candidates that may start now, oldest first."""
     pending_files = [c for c in candidates if not c.is_dir]
+    pending_dirs = [c for c in candidates if c.is_dir and c.path]  # the root is never renamed
     out = []
     for cand in sorted(candidates, key=lambda c: (c.since_ns, c.ino)):
         if cand.ino in busy:
@@ -62,6 +66,11 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
                     continue
                 same_dir_marker = posixpath.dirname(other.path) == directory and is_marker(other.path, markers)
                 if not same_dir_marker:
+                    blocked = True
+                    break
+            for other in pending_dirs:
+                if (other.path == directory or _below(other.path, directory)
+                        or _below(directory, other.path)):
                     blocked = True
                     break
             if blocked:

@@ -697,11 +697,13 @@ class Drain:
         for key, rec in items:
             raw = key.rstrip("/").encode("utf-8", "surrogateescape")
             live = txn.resolve(raw)
-            if live is not None and key.endswith("/"):
+            if live is not None:
+                # ``x/`` is live only as a directory, ``x`` only as a file: after
+                # ``rm x; mkdir x`` the object ``x`` must still go.
                 live_inode = txn.get_inode(live)
-                is_live = live_inode is not None and live_inode.is_dir
+                is_live = live_inode is not None and live_inode.is_dir == key.endswith("/")
             else:
-                is_live = live is not None
+                is_live = False
             owner = txn.owner_of_remote_key(key)
             if owner is not None:
                 # A removed directory (rmdir, replaced by a rename) keeps its inode and
