@@ -23,12 +23,13 @@ import dataclasses
 import functools
 import logging
 import os
+import posixpath
 import time
 from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs.fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, durability
+from ckptfs.fsmeta import ROOT_INO, FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, durability
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 from ckptfs.fsmeta.txn import Txn
@@ -174,6 +175,9 @@ class Drain:
         # (generation, size, hex)); used only if the generation did not move.
         self.prehashed: dict[int, tuple[int, int, str]] = {}
         self.prehashing: int | None = None
+        # One marker invalidation at a time: a shard that finds its markers already
+        # requeued must not upload before the delete another task started has finished.
+        self.invalidate_lock = trio.Lock()
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -394,6 +398,9 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
+            if job.reason != durability.META and not await self._invalidate_markers(job):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
             primary = job.keys[0]
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
@@ -429,6 +436,65 @@ class Drain:
                 self.stats.time_to_durable.observe(since_last_close)
         finally:
             self.busy_keys.difference_update(job.keys)
+
+    # -- markers of a checkpoint whose shards are replaced -----------------------------------
+
+    def _markers_to_invalidate(self, txn: Txn, job: FileJob) -> list[tuple[int, str]]:
+        """Markers in the bucket (inode, key) in the directories above ``job``'s keys, if writing
+        those keys replaces an object (a re-save into an existing checkpoint directory)."""
+        keys = [k for k in job.keys if not schedule.is_marker(k, self.markers)]
+        if not any(txn.owner_of_remote_key(k) is not None for k in keys):
+            return []  # new names only: nothing the markers vouched for changes
+        out: dict[int, str] = {}
+        dirs = set()
+        for key in keys:
+            d = posixpath.dirname(key)
+            while d not in dirs:
+                dirs.add(d)
+                if not d:
+                    break
+                d = posixpath.dirname(d)
+        for d in dirs:
+            dir_ino = txn.resolve(d.encode("utf-8", "surrogateescape")) if d else ROOT_INO
+            if dir_ino is None:
+                continue
+            for name, child in txn.iter_dir(dir_ino):
+                if not schedule.is_marker(name.decode("utf-8", "surrogateescape"), self.markers):
+                    continue
+                inode = txn.get_inode(child)
+                remote = txn.get_remote(child)
+                if inode is None or remote is None or inode.nlink == 0:
+                    continue  # not in the bucket
+                if inode.state == FileState.REMOTE and not inode.is_symlink:
+                    continue  # the cache does not hold its content: it could not be put back
+                # (a marker written again but not uploaded yet still has its old object out)
+                out[child] = remote.key
+        return sorted(out.items())
+
+    def _requeue_markers(self, txn: Txn, victims: list[tuple[int, str]]) -> None:
+        now = self.clock()
+        for ino, key in victims:
+            inode = txn.get_inode(ino)
+            remote = txn.get_remote(ino)
+            if inode is not None and remote is not None and remote.key == key:
+                durability.mark_needs_upload(txn, inode, now)  # uploaded again, after the shards
+
+    async def _invalidate_markers(self, job: FileJob) -> bool:
+        """Before a shard below a durable marker is replaced, the marker leaves the bucket
+        (deleted, then requeued: it is uploaded again after every shard below its directory),
+        so the bucket never shows it next to a half-replaced checkpoint. False: such a
+        marker is being uploaded right now; try the shard again later."""
+        async with self.invalidate_lock:
+            victims = await self._read(self._markers_to_invalidate, job)
+            if any(key in self.busy_keys for _, key in victims):
+                return False
+            for _, key in victims:
+                log.info("%s: a shard below it is being replaced; deleting it until it is re-uploaded", key)
+                await self._retry(f"delete {key}", lambda key=key: self.store.delete(key))
+                self.stats.deleted_objects += 1
+            if victims:
+                await self._write(self._requeue_markers, victims)
+        return True
 
     @staticmethod
     def _blocking_owner(txn: Txn, ino: int, keys: list[str]) -> int | None:

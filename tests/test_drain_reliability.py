@@ -297,3 +297,45 @@ def test_drain_cli_after_a_gateway_kill9_with_unflushed_extension_exits(denv):
     result = run_cli("drain", "--cache-dir", str(denv.cache), "--until-empty", timeout=60)
     assert result.returncode == 0, result.stderr
     assert denv.object_bytes("run/f.bin") == data
+
+
+# -- item 3: re-saving into an existing checkpoint directory --------------------------------
+
+
+def test_resave_into_a_checkpoint_directory_hides_its_marker_until_the_shards_are_back(denv):
+    shards = [f"ckpt/step_100/shard-{i}.pt" for i in range(3)]
+    for s in shards:
+        denv.write_file(s, os.urandom(40_000))
+    denv.write_file("ckpt/step_100/.metadata", b"v1")
+    denv.write_file("ckpt/latest", b"step_100")
+    denv.drain()
+    new = {s: os.urandom(40_000) for s in shards[:2]}
+    for s, data in new.items():
+        denv.write_file(s, data)  # re-save in place (O_TRUNC)
+    denv.write_file("ckpt/step_100/.metadata", b"v2")
+    rec = RecStore(None)
+
+    async def slow(key, extra):
+        await trio.sleep(0.05)
+
+    rec.hooks["put_object"] = slow
+    denv.drain(rec=rec, concurrency=8)
+    gone = rec.index("delete", "ckpt/step_100/.metadata", "end")
+    assert gone, "the old marker stayed visible while its shards were replaced"
+    for s in new:
+        assert gone[0] < started(rec, s)
+        assert landed(rec, s) < started(rec, "ckpt/step_100/.metadata")
+    assert denv.object_bytes("ckpt/step_100/.metadata") == b"v2"
+    assert denv.object_bytes("ckpt/latest") == b"step_100"
+    for s, data in new.items():
+        assert denv.object_bytes(s) == data
+    assert denv.pending() == {}
+
+
+def test_new_checkpoint_directory_leaves_the_markers_above_alone(denv):
+    denv.write_file("ckpt/step_100/shard.pt", b"a")
+    denv.write_file("ckpt/latest", b"step_100")
+    denv.drain()
+    denv.write_file("ckpt/step_200/shard.pt", b"b")
+    rec = denv.drain()
+    assert rec.calls("delete") == [] and rec.calls("delete_many") == []
