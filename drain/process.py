@@ -47,7 +47,9 @@ def load_settings(cache_dir: str) -> tuple[MetaStore, Settings]:
     return meta, Settings.from_json(stored)
 
 
-async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, supervised: bool) -> None:
+async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, supervised: bool) -> dict[str, str]:
+    """Drain; returns what is left behind (path -> code): files whose cache lost data, and
+    the markers that wait for them."""
     stop = trio.Event()
     gateway_pid = os.getppid() if supervised else None
 
@@ -75,6 +77,7 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
                 nursery.start_soon(orphan_watch)
             await drain.run(until_empty=until_empty, stop=stop)
             nursery.cancel_scope.cancel()
+        return {**drain.lost, **{path: "MarkerHeldByLostFile" for path in drain.held}}
 
 
 def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) -> int:
@@ -93,12 +96,16 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
     except DrainSetupError as exc:
         print(f"ckptfs: {exc}", file=sys.stderr)
         return 1
+    if not supervised and CacheDir(cache_dir).gateway_pid() is None:
+        # No gateway, so no handle is open: writer counts left by a crashed one are stale, and
+        # would keep the drain from reconciling those files' cache lengths.
+        meta.write(lambda txn: txn.clear_writers())
     # Supervised, the gateway serves the node's metrics (this drain's included, from fsmeta).
     endpoint = (contextlib.nullcontext() if supervised
                 else standalone_endpoint(settings.metrics_addr, CacheDir(cache_dir), meta))
     try:
         with endpoint:
-            trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
+            lost = trio.run(lambda: _run(cache_dir, meta, settings, until_empty=until_empty, supervised=supervised))
     except Exception as exc:
         # Raised inside _run's nursery, a StoreError arrives wrapped in an ExceptionGroup.
         leaves = exception_leaves(exc)
@@ -109,4 +116,11 @@ def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) 
     finally:
         meta.close()
         os.close(lock_fd)
+    if until_empty and lost:
+        # Not empty, and never will be: these files' cache data is gone (see `ckptfs status`).
+        print(f"ckptfs: drain: {len(lost)} files cannot be uploaded (a cache file lost data fsmeta "
+              "recorded, or a marker waits for one; write them again or remove them):", file=sys.stderr)
+        for path, code in sorted(lost.items()):
+            print(f"  {code}: {path}", file=sys.stderr)
+        return 2
     return 0

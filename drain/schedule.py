@@ -5,12 +5,17 @@ Rules (docs/ARCHITECTURE.md, "Drain order"):
 * A file is eligible once no handle has it open for writing (unless an
   ``fsync=remote`` caller asked for it: ``urgent``) and the settle window has
   passed since its last change.
+* A file whose cache lost data (``lost``) never starts, but holds back the markers
+  above it: a checkpoint with a lost shard must not look complete.
 * Oldest first (by when it became pending), so no file starves.
 * Commit markers drain last: a marker (name matching a marker pattern) waits
   until no other pending file below its directory is left, except markers in
   the same directory (they would wait for each other forever). Markers in
   deeper directories do count, so ``run/latest`` waits for
-  ``run/step_9/.metadata``.
+  ``run/step_9/.metadata``. A pending directory at, below or above the
+  marker's directory blocks it too: after ``mv tmp-ckpt ckpt`` the files below
+  ``ckpt`` are queued only when the drain expands that directory, and until then
+  they are still at their old keys.
 * Deletions go the other way: markers first (see :func:`order_tombstones`), so
   a half-deleted checkpoint never looks complete.
 """
@@ -32,6 +37,7 @@ class Candidate:
     is_dir: bool
     writers: int
     urgent: bool
+    lost: bool = False  # its cache lost data (CacheFileShort/Missing): never started, still blocks markers
 
 
 def is_marker(path: str, patterns: list[str]) -> bool:
@@ -46,9 +52,10 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
              busy: set[int]) -> list[Candidate]:
     """The candidates that may start now, oldest first."""
     pending_files = [c for c in candidates if not c.is_dir]
+    pending_dirs = [c for c in candidates if c.is_dir and c.path]  # the root is never renamed
     out = []
     for cand in sorted(candidates, key=lambda c: (c.since_ns, c.ino)):
-        if cand.ino in busy:
+        if cand.ino in busy or cand.lost:
             continue
         if cand.writers > 0 and not cand.urgent:
             continue
@@ -64,10 +71,24 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
                 if not same_dir_marker:
                     blocked = True
                     break
+            for other in pending_dirs:
+                if (other.path == directory or _below(other.path, directory)
+                        or _below(directory, other.path)):
+                    blocked = True
+                    break
             if blocked:
                 continue
         out.append(cand)
     return out
+
+
+def held_by_lost(cand: Candidate, candidates: list[Candidate], markers: list[str]) -> bool:
+    """A marker that waits for a file below its directory whose cache lost data: it will
+    not upload until that file is written again or removed."""
+    if cand.is_dir or not is_marker(cand.path, markers):
+        return False
+    directory = posixpath.dirname(cand.path)
+    return any(o.lost and _below(o.path, directory) for o in candidates)
 
 
 def order_tombstones(keys: list[str], markers: list[str]) -> list[list[str]]:

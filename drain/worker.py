@@ -23,13 +23,15 @@ import dataclasses
 import functools
 import logging
 import os
+import posixpath
 import time
 from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs.fsmeta import FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, durability
+from ckptfs.fsmeta import ROOT_INO, FileState, MetaStore, RemoteRecord, UploadPhase, UploadRecord, durability
 from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 from ckptfs.fsmeta.txn import Txn
 
 from . import schedule
@@ -60,6 +62,12 @@ PERMANENT_RETRY_FIRST = 5.0  # first wait; doubles per consecutive failure up to
 STALE_UPLOAD_SECONDS = 24 * 3600
 IDLE_RELEASE_SECONDS = 5.0
 WAIT_SOURCE_SECONDS = 0.2  # re-check of a file whose key still holds another inode's content
+STALE_SWEEP_SECONDS = 3600.0  # how often a long-running drain aborts stale multipart uploads
+# Back-off of a file that is requeued (changed under its upload, unreadable, waiting for a
+# source): first wait, doubling per consecutive requeue, up to the cap.
+CHANGED_BACKOFF = Backoff(0.5, 30.0)
+OSERROR_BACKOFF = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS)
+WAIT_SOURCE_BACKOFF = Backoff(WAIT_SOURCE_SECONDS, 5.0)
 
 
 def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "", rdev: int = 0) -> dict[str, str]:
@@ -150,7 +158,10 @@ class Drain:
         self.busy_keys: set[str] = set()
         self.deleting_keys: set[str] = set()
         self.retry_after: dict[int, float] = {}  # ino -> monotonic time of next attempt
-        self.failures: dict[int, int] = {}  # ino -> consecutive permanent failures (backoff)
+        self.failures: dict[int, int] = {}  # ino -> consecutive failures or requeues (backoff)
+        self.lost: dict[str, str] = {}  # path -> code: files whose cache lost data (never uploaded)
+        self.held: list[str] = []  # markers left waiting for lost files when until_empty ended
+        self.next_stale_sweep = time.monotonic() + STALE_SWEEP_SECONDS
         self.tombstones_running = False
         self.stats = DrainStats()
         self.store = TimedStore(store, self.stats.observe_request)
@@ -169,6 +180,9 @@ class Drain:
         # (generation, size, hex)); used only if the generation did not move.
         self.prehashed: dict[int, tuple[int, int, str]] = {}
         self.prehashing: int | None = None
+        # One marker invalidation at a time: a shard that finds its markers already
+        # requeued must not upload before the delete another task started has finished.
+        self.invalidate_lock = trio.Lock()
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -182,9 +196,10 @@ class Drain:
     async def _write(self, fn, *args):
         return await trio.to_thread.run_sync(lambda: self.meta.write(lambda txn: fn(txn, *args)))
 
-    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]]]:
+    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]], dict[str, str]]:
         gateway_alive = self.cache.gateway_pid() is not None
         candidates = []
+        lost = {}
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
@@ -192,12 +207,16 @@ class Drain:
             path = txn.path_of(ino)
             if path is None:
                 continue
+            is_lost = durability.is_cache_lost(txn, ino)
+            if is_lost:
+                # Nothing to upload until it is written again (or removed).
+                lost[path.decode("utf-8", "surrogateescape")] = txn.get_error(ino)
             writers = txn.writer_count(ino) if gateway_alive else 0
             candidates.append(schedule.Candidate(
                 ino, path.decode("utf-8", "surrogateescape"), rec.since_ns, rec.changed_ns,
-                inode.is_dir, writers, rec.urgent,
+                inode.is_dir, writers, rec.urgent, is_lost,
             ))
-        return candidates, list(txn.iter_tombstones())
+        return candidates, list(txn.iter_tombstones()), lost
 
     # -- main loop -------------------------------------------------------------------
 
@@ -209,9 +228,18 @@ class Drain:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
             while stop is None or not stop.is_set():
-                candidates, tombstones = await self._read(self._scan)
-                if self.until_empty and not candidates and not tombstones and not self.busy:
+                candidates, tombstones, self.lost = await self._read(self._scan)
+                self._prune_errors(candidates)
+                if (self.until_empty and not tombstones and not self.busy
+                        and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
+                                for c in candidates)):
+                    # Empty, but for files that lost their cache data (self.lost) and the
+                    # markers that wait for them.
+                    self.held = [c.path for c in candidates if not c.lost]
                     break
+                if time.monotonic() >= self.next_stale_sweep:
+                    self.next_stale_sweep = time.monotonic() + STALE_SWEEP_SECONDS
+                    nursery.start_soon(self._sweep_stale_uploads)
                 if not candidates and not self.busy:
                     self._release_buffers_when_idle()
                 else:
@@ -250,8 +278,31 @@ class Drain:
             release_buffers()
             self.buffers_released = True
 
+    def _prune_errors(self, candidates: list[schedule.Candidate]) -> None:
+        """Errors of files that succeeded since, or are gone, leave the status."""
+        live = {c.path for c in candidates} | set(self.lost)
+        for path in [p for p in self.stats.errors if p != "(deletes)" and p not in live]:
+            del self.stats.errors[path]
+        self.stats.errors.update(self.lost)
+
     async def _startup(self) -> None:
         await self._retry("check bucket access", lambda: self.store.check_access(write=True))
+        if self.cache.gateway_pid() is None:
+            # No gateway: nobody else reconciles cache files with fsmeta after a crash
+            # (`ckptfs drain --until-empty` after a kill -9 or a power cut).
+            await self._reconcile_cache_lengths()
+        await self._sweep_stale_uploads()
+
+    async def _reconcile_cache_lengths(self, inos: list[int] | None = None) -> None:
+        result = await trio.to_thread.run_sync(
+            functools.partial(reconcile_cache_lengths, self.meta, self.cache, inos=inos, skip_open=True))
+        if result["trimmed_files"]:
+            log.info("cut %d cache files to the size fsmeta recorded", result["trimmed_files"])
+        for path, code in result["lost_files"].items():
+            log.error("%s: its cache file lost bytes fsmeta recorded (%s); it will not be uploaded", path, code)
+            self.stats.errors_by_code[code] += 1
+
+    async def _sweep_stale_uploads(self) -> None:
         try:
             await self._abort_stale_uploads()
         except StoreError as exc:
@@ -290,7 +341,15 @@ class Drain:
                 await self._reconcile_file(cand)
             if self.retry_after.get(cand.ino, 0) <= time.monotonic():
                 self.retry_after.pop(cand.ino, None)
-            self.failures.pop(cand.ino, None)
+                self.failures.pop(cand.ino, None)
+            self.stats.errors.pop(cand.path, None)
+        except SourceChangedError as exc:
+            # The cache file does not match fsmeta (yet): a write racing with the upload,
+            # or, with no gateway alive, the remains of a crash, which reconciling settles.
+            log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", cand.path, exc)
+            self._requeue(cand.ino, CHANGED_BACKOFF)
+            if self.cache.gateway_pid() is None:
+                await self._reconcile_cache_lengths([cand.ino])
         except StoreError as exc:
             # Permanent: keep the data dirty, show the error, try again later (5 s, 10 s, ...
             # up to a minute: an operator who fixes the bucket policy sees uploads resume soon).
@@ -298,15 +357,20 @@ class Drain:
             self.stats.errors[cand.path] = exc.code
             self.stats.errors_by_code[exc.code] += 1
             await self._write(durability.mark_error, cand.ino, exc.code)
-            n = self.failures[cand.ino] = self.failures.get(cand.ino, 0) + 1
-            wait = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS).delay(n)
-            self.retry_after[cand.ino] = time.monotonic() + wait
+            self._requeue(cand.ino, Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS))
         except OSError as exc:
             log.error("reading the cache for %s failed: %s", cand.path, exc)
-            self.retry_after[cand.ino] = time.monotonic() + PERMANENT_RETRY_SECONDS
+            self._requeue(cand.ino, OSERROR_BACKOFF)
+            if isinstance(exc, FileNotFoundError) and self.cache.gateway_pid() is None:
+                await self._reconcile_cache_lengths([cand.ino])
         finally:
             self.busy.discard(cand.ino)
             self.stats.in_flight.pop(cand.ino, None)
+
+    def _requeue(self, ino: int, backoff: Backoff) -> None:
+        """Try ``ino`` again later, waiting longer after each consecutive requeue."""
+        n = self.failures[ino] = self.failures.get(ino, 0) + 1
+        self.retry_after[ino] = time.monotonic() + backoff.delay(n)
 
     def _load_file(self, txn: Txn, ino: int) -> FileJob | None:
         inode = txn.get_inode(ino)
@@ -338,7 +402,10 @@ class Drain:
                     and await self._write(self._must_wait_for_sources, job)):
                 # Another inode's content still sits at one of our keys: give its move
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
-                self.retry_after[job.ino] = time.monotonic() + WAIT_SOURCE_SECONDS
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
+            if job.reason != durability.META and not await self._invalidate_markers(job):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
             if job.durable_in_bucket:
@@ -375,6 +442,65 @@ class Drain:
                 self.stats.time_to_durable.observe(since_last_close)
         finally:
             self.busy_keys.difference_update(job.keys)
+
+    # -- markers of a checkpoint whose shards are replaced -----------------------------------
+
+    def _markers_to_invalidate(self, txn: Txn, job: FileJob) -> list[tuple[int, str]]:
+        """Markers in the bucket (inode, key) in the directories above ``job``'s keys, if writing
+        those keys replaces an object (a re-save into an existing checkpoint directory)."""
+        keys = [k for k in job.keys if not schedule.is_marker(k, self.markers)]
+        if not any(txn.owner_of_remote_key(k) is not None for k in keys):
+            return []  # new names only: nothing the markers vouched for changes
+        out: dict[int, str] = {}
+        dirs = set()
+        for key in keys:
+            d = posixpath.dirname(key)
+            while d not in dirs:
+                dirs.add(d)
+                if not d:
+                    break
+                d = posixpath.dirname(d)
+        for d in dirs:
+            dir_ino = txn.resolve(d.encode("utf-8", "surrogateescape")) if d else ROOT_INO
+            if dir_ino is None:
+                continue
+            for name, child in txn.iter_dir(dir_ino):
+                if not schedule.is_marker(name.decode("utf-8", "surrogateescape"), self.markers):
+                    continue
+                inode = txn.get_inode(child)
+                remote = txn.get_remote(child)
+                if inode is None or remote is None or inode.nlink == 0:
+                    continue  # not in the bucket
+                if inode.state == FileState.REMOTE and not inode.is_symlink:
+                    continue  # the cache does not hold its content: it could not be put back
+                # (a marker written again but not uploaded yet still has its old object out)
+                out[child] = remote.key
+        return sorted(out.items())
+
+    def _requeue_markers(self, txn: Txn, victims: list[tuple[int, str]]) -> None:
+        now = self.clock()
+        for ino, key in victims:
+            inode = txn.get_inode(ino)
+            remote = txn.get_remote(ino)
+            if inode is not None and remote is not None and remote.key == key:
+                durability.mark_needs_upload(txn, inode, now)  # uploaded again, after the shards
+
+    async def _invalidate_markers(self, job: FileJob) -> bool:
+        """Before a shard below a durable marker is replaced, the marker leaves the bucket
+        (deleted, then requeued: it is uploaded again after every shard below its directory),
+        so the bucket never shows it next to a half-replaced checkpoint. False: such a
+        marker is being uploaded right now; try the shard again later."""
+        async with self.invalidate_lock:
+            victims = await self._read(self._markers_to_invalidate, job)
+            if any(key in self.busy_keys for _, key in victims):
+                return False
+            for _, key in victims:
+                log.info("%s: a shard below it is being replaced; deleting it until it is re-uploaded", key)
+                await self._retry(f"delete {key}", lambda key=key: self.store.delete(key))
+                self.stats.deleted_objects += 1
+            if victims:
+                await self._write(self._requeue_markers, victims)
+        return True
 
     @staticmethod
     def _blocking_owner(txn: Txn, ino: int, keys: list[str]) -> int | None:
@@ -461,6 +587,11 @@ class Drain:
     def _drop_if_gone(self, txn: Txn, ino: int) -> None:
         inode = txn.get_inode(ino)
         if inode is None or inode.nlink == 0 or txn.path_of(ino) is None:
+            upload = txn.get_upload(ino)
+            if upload is not None:
+                # its multipart upload would leak: the tombstone task aborts it
+                txn.add_tombstone(upload.key, upload_id=upload.upload_id)
+                txn.delete_upload(ino)
             txn.clear_pending(ino)
 
     def _still_current(self, txn: Txn, job: FileJob) -> bool:
@@ -476,6 +607,10 @@ class Drain:
         if job.is_symlink or job.special:
             result = await upload_bytes(self.store, key, job.target, meta, journal=self.status_journal)
             return result.etag, result.blake3, len(job.target)
+        if job.size == 0:
+            # Empty content needs no cache file (``mknod`` creates none).
+            result = await upload_bytes(self.store, key, b"", meta, journal=self.status_journal)
+            return result.etag, result.blake3, 0
 
         resume = None
         if job.upload is not None:
@@ -517,12 +652,25 @@ class Drain:
             if failure is not None:
                 raise failure
         except (UploadAborted, SourceChangedError) as exc:
-            log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
+            # The multipart upload is of content nobody will complete: abort it (a failed
+            # abort is left to the stale sweep), then forget it.
+            if journal.upload_id is not None:
+                await self._abort_quietly(key, journal.upload_id)
             await self._write(lambda txn: txn.delete_upload(job.ino))
+            if isinstance(exc, SourceChangedError):
+                raise
+            log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             return None, "", 0
         if result.multipart and (journal.creates > 1 or job.prior_attempt):
             await self._abort_orphans(key, result.upload_id)
         return result.etag, result.blake3, job.size
+
+    async def _abort_quietly(self, key: str, upload_id: str) -> None:
+        try:
+            await self.store.abort_multipart(key, upload_id)
+        except StoreError as exc:
+            if exc.code != "NoSuchUpload":
+                log.warning("abort of upload %s of %s failed (the stale sweep retries): %s", upload_id, key, exc)
 
     async def _abort_orphans(self, key: str, keep: str | None) -> None:
         """Abort multipart uploads of exactly ``key`` that no fsmeta record knows.
@@ -551,7 +699,7 @@ class Drain:
         (the settle window and the whole-file BLAKE3 no longer add up in ack -> durable)."""
         ready_inos = {c.ino for c in ready}
         for cand in candidates:
-            if (cand.is_dir or cand.writers or cand.ino in self.busy or cand.ino in ready_inos
+            if (cand.is_dir or cand.lost or cand.writers or cand.ino in self.busy or cand.ino in ready_inos
                     or cand.ino in self.prehashed or now_ns - cand.changed_ns >= self.settle_ns):
                 continue
             if len(self.prehashed) > 1024:
@@ -703,11 +851,13 @@ class Drain:
         for key, rec in items:
             raw = key.rstrip("/").encode("utf-8", "surrogateescape")
             live = txn.resolve(raw)
-            if live is not None and key.endswith("/"):
+            if live is not None:
+                # ``x/`` is live only as a directory, ``x`` only as a file: after
+                # ``rm x; mkdir x`` the object ``x`` must still go.
                 live_inode = txn.get_inode(live)
-                is_live = live_inode is not None and live_inode.is_dir
+                is_live = live_inode is not None and live_inode.is_dir == key.endswith("/")
             else:
-                is_live = live is not None
+                is_live = False
             owner = txn.owner_of_remote_key(key)
             if owner is not None:
                 # A removed directory (rmdir, replaced by a rename) keeps its inode and
@@ -756,6 +906,7 @@ class Drain:
                         txn.remove_tombstone(key)
 
             await self._write(commit)
+            self.stats.errors.pop("(deletes)", None)
         except StoreError as exc:
             log.error("deleting objects failed: %s", exc)
             self.stats.errors["(deletes)"] = exc.code
@@ -829,12 +980,22 @@ class FileUploadJournal(RetryStatusJournal):
         # CreateMultipartUpload requests sent: more than one may have left an upload
         # nobody records (a lost response, or an upload that vanished and was redone).
         self.creates = 0
+        self.upload_id: str | None = None  # the latest CreateMultipartUpload's id
 
     async def created(self, record: UploadRecord) -> None:
         self.creates += 1
+        self.upload_id = record.upload_id
         job = self.job
         rec = dataclasses.replace(record, generation=job.generation, parts=[])
-        await self.drain._write(lambda txn: txn.put_upload(job.ino, rec) if self.drain._still_current(txn, job) else None)
+
+        def put(txn: Txn) -> bool:
+            if self.drain._still_current(txn, job):
+                txn.put_upload(job.ino, rec)
+                return True
+            return False
+
+        if not await self.drain._write(put):
+            self.moved.set()  # changed or unlinked before the id was recorded: stop; _upload aborts it
 
     async def part_done(self, part: PartRecord) -> None:
         ino = self.job.ino

@@ -11,6 +11,7 @@ drain both call them, and nothing else assigns ``Inode.state``::
                           └──── mark_dirty / mark_needs_upload / mark_meta_changed ───────────────┘
   REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
   any state ──mark_error──> (same state, plus a visible permanent error until the next success)
+  DIRTY ──mark_cache_lost──> (same, error CacheFileShort/CacheFileMissing: never uploaded until rewritten)
 
 Alongside the state, an inode sits in the ``pending`` table whenever the bucket does
 not match it yet (new data, a new name, new metadata): that table is the drain's work
@@ -141,6 +142,24 @@ def mark_error(txn: Txn, ino: int, code: str) -> None:
     queued and is tried again later."""
     if txn.get_inode(ino) is not None:
         txn.set_error(ino, code)
+
+
+# Permanent errors: the cache lost bytes fsmeta still counts (see fsmeta/recovery.py).
+CACHE_FILE_SHORT = "CacheFileShort"
+CACHE_FILE_MISSING = "CacheFileMissing"
+CACHE_LOST_CODES = frozenset({CACHE_FILE_SHORT, CACHE_FILE_MISSING})
+
+
+def mark_cache_lost(txn: Txn, ino: int, code: str) -> None:
+    """Its cache file is shorter than (or missing for) the size fsmeta recorded: the content
+    cannot be uploaded. A permanent, visible error; the drain skips the file until it is
+    written again (``mark_dirty`` clears the error) or removed."""
+    assert code in CACHE_LOST_CODES
+    mark_error(txn, ino, code)
+
+
+def is_cache_lost(txn: Txn, ino: int) -> bool:
+    return txn.get_error(ino) in CACHE_LOST_CODES
 
 
 def mark_remote(txn: Txn, inode: Inode, record: RemoteRecord) -> None:

@@ -6,20 +6,23 @@ import logging
 import os
 
 from ckptfs.fsmeta import Txn
+from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 
 from .state import CoreState
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ckptfs.gateway")
 
 
 def recover(state: CoreState) -> dict:
     """Bring fsmeta and the cache files to a consistent state after a (crashed) run.
 
     No handle or kernel reference survives a restart, so: open-writer counts
-    are cleared, unlinked-but-open inodes are purged, and cache files of
-    modified inodes are cut to the size fsmeta recorded (bytes past it were
-    never acknowledged by fsync). Cache files whose inode no longer exists (a crash
-    between the commit that dropped the inode and the unlink of its file) are removed.
+    are cleared, unlinked-but-open inodes are purged, and the cache files of
+    pending inodes are reconciled with the sizes fsmeta recorded
+    (:func:`ckptfs.fsmeta.recovery.reconcile_cache_lengths`, which the drain
+    runs too: too long is cut, too short or missing is a permanent error).
+    Cache files whose inode no longer exists (a crash between the commit that
+    dropped the inode and the unlink of its file) are removed.
     """
     def fix(txn: Txn) -> dict:
         txn.clear_writers()
@@ -31,34 +34,21 @@ def recover(state: CoreState) -> dict:
                 purged.append(ino)
             else:
                 txn.remove_orphan(ino)
-        sizes = {}
-        for ino, _ in txn.iter_pending():
-            inode = txn.get_inode(ino)
-            if inode is not None and inode.is_reg:
-                sizes[ino] = inode.size
-        return {"purged": purged, "sizes": sizes}
+        return {"purged": purged}
 
     result = state.meta.write(fix)
     for ino in result["purged"]:
         state.remove_data(ino)
-    trimmed = 0
-    for ino, size in result["sizes"].items():
-        try:
-            fd = state.open_cache_file(ino, create=False)
-        except FileNotFoundError:
-            continue
-        try:
-            if os.fstat(fd).st_size > size:
-                os.ftruncate(fd, size)
-                trimmed += 1
-        finally:
-            os.close(fd)
+    lengths = reconcile_cache_lengths(state.meta, state.cache)
+    for path, code in lengths["lost_files"].items():
+        log.error("%s: its cache file lost bytes fsmeta recorded (%s); it will not be uploaded", path, code)
     strays = remove_stray_cache_files(state)
     # Names created by the crashed run may still be only in the page cache: from here
     # on, fsync of a file syncs data/ only for cache files this run creates.
     state.sync_data_dir()
     state.meta.sync()
-    return {"purged_orphans": len(result["purged"]), "trimmed_files": trimmed, "stray_cache_files": strays}
+    return {"purged_orphans": len(result["purged"]), "trimmed_files": lengths["trimmed_files"],
+            "lost_files": lengths["lost_files"], "stray_cache_files": strays}
 
 
 def remove_stray_cache_files(state: CoreState) -> int:

@@ -143,6 +143,11 @@ def is_internal_key(key: str) -> bool:
     return first == ".ckptfs" or first.startswith(".ckptfs-")
 
 
+def _covers(directory: str, objects: list[ListedObject]) -> bool:
+    # (a directory placeholder object ``path/`` holds nothing)
+    return all(o.key.startswith(directory + "/") for o in objects if not o.key.endswith("/"))
+
+
 def build_catalog(listing: Iterable[object], rules: LifecycleRules) -> Catalog:
     patterns = [(text, compile_step_pattern(text)) for text in rules.checkpoints]
     # ckptfs' own keys (pins under .ckptfs/, file-store internals) are never checkpoints.
@@ -174,7 +179,10 @@ def build_catalog(listing: Iterable[object], rules: LifecycleRules) -> Catalog:
         kind = DIRECTORY if inside else FILE
         if kind == DIRECTORY:
             marker_keys = tuple(o.key for o in inside if is_marker_name(o.key.rsplit("/", 1)[-1], rules.markers))
-            complete = bool(marker_keys)
+            # The drain uploads a marker after every file below the marker's own directory
+            # (drain/schedule.py), so a marker vouches only for that directory: the
+            # checkpoint is complete when one marker's directory holds all of its objects.
+            complete = any(_covers(m.rsplit("/", 1)[0], inside) for m in marker_keys)
         else:
             marker_keys = ()
             complete = True  # a single-file checkpoint is complete once it is listed

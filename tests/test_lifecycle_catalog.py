@@ -140,3 +140,18 @@ def test_mtime_tag_overrides_last_modified():
     assert cps["ckpt-2.pt"].last_modified == original
     assert cps["ckpt-3.pt"].last_modified == NOW
     assert any(MTIME_TAG in w for w in catalog.warnings)
+
+
+def test_a_nested_marker_completes_only_a_checkpoint_it_covers():
+    # The drain orders a marker after the files below its own directory only: a marker in
+    # one subdirectory says nothing about a sibling subdirectory still uploading.
+    listing = [
+        obj("run/step_1/model/.metadata"),
+        obj("run/step_1/model/shard"),
+        obj("run/step_1/optim/shard"),
+        obj("run/step_2/model/.metadata"),
+        obj("run/step_2/model/shard"),
+    ]
+    by_path = {c.path: c for c in build_catalog(listing, RULES).checkpoints}
+    assert not by_path["run/step_1"].complete
+    assert by_path["run/step_2"].complete

@@ -136,6 +136,9 @@ def scenarios(draw) -> Scenario:
                         keys.append(path + "/")  # directory placeholder object
                     if complete:
                         keys += [f"{path}/{m}" for m in markers]
+                        # A marker vouches for its own directory only (the drain's order): one
+                        # in x/ alone does not complete a checkpoint whose shards are elsewhere.
+                        complete = any("/" not in m for m in markers)
                 newest = add(keys, age_hours)
                 truth.append(TrueCheckpoint((parent, pattern), path, step, complete, keys, newest))
     for key in draw(_UNMANAGED):
