@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+
+import pytest
 
 from conftest import REPO, ckptfs_cmd
 
 from ckptfs.fsmeta import durability
+from ckptfs.fsmeta.layout import CacheDir
 
 from test_drain_support import MiB, denv  # noqa: F401
 
@@ -89,3 +93,27 @@ def test_status_of_a_directory_that_is_no_cache_says_so(tmp_path):
     result = subprocess.run([*ckptfs_cmd(), "status", "--cache-dir", str(tmp_path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "no ckptfs cache here" in result.stderr
+
+
+@pytest.mark.mounted
+def test_wait_durable_stops_on_files_whose_cache_data_is_lost(gateway):
+    """A file whose cache file lost unsynced bytes will never upload on its own: waiting ends."""
+    (gateway.mnt / "ckpt").mkdir()
+    (gateway.mnt / "ckpt" / "shard").write_bytes(b"x" * 4096)  # stays pending: the tests' drain settles for 1 h
+    meta = CacheDir(gateway.cache).open_meta()
+    try:
+        def lose(txn):
+            ino = txn.resolve(b"ckpt/shard")
+            durability.mark_cache_lost(txn, ino, durability.CACHE_FILE_SHORT)
+
+        meta.write(lose)
+        meta.write(lambda txn: durability.mark_settled(txn, txn.resolve(b"ckpt")))  # only the file is left
+    finally:
+        meta.close()
+    started = time.monotonic()
+    result = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gateway.mnt / "ckpt"), "--timeout", "60"],
+                            capture_output=True, text=True, timeout=90)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 30, "it waited for a file that cannot become durable"
+    assert "ckpt/shard" in result.stderr and "CacheFileShort" in result.stderr
+    assert "timed out" not in result.stderr

@@ -74,6 +74,7 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
         deadline = None if timeout is None else time.monotonic() + timeout
         start_bytes = 0
         warned = set()
+        lost: set[str] = set()
         with progress:
             task = progress.add_task("wait", total=None, files=0, deletes=0)
             while True:
@@ -84,15 +85,21 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
                 for p, error in backlog.errors.items():
                     if p not in warned:
                         warned.add(p)
-                        console.print(f"ckptfs: {p}: upload failing: {error} (data kept in the cache; retrying)",
-                                      markup=False, highlight=False)
+                        why = ("its cache file lost data that was never fsynced; it will not be uploaded "
+                               "until it is written again" if error in durability.CACHE_LOST_CODES
+                               else "data kept in the cache; retrying")
+                        console.print(f"ckptfs: {p}: upload failing: {error} ({why})", markup=False,
+                                      highlight=False)
+                lost = {p for p, error in backlog.errors.items() if error in durability.CACHE_LOST_CODES}
+                if lost and not backlog.deletes and all(p in lost for p, _, _ in backlog.files):
+                    break  # nothing left will ever become durable on its own
                 start_bytes = max(start_bytes, backlog.bytes)
                 progress.update(task, total=start_bytes or None, completed=start_bytes - backlog.bytes,
                                 files=len(backlog.files), deletes=len(backlog.deletes))
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 time.sleep(interval)
-        out.write(f"ckptfs: timed out; still pending under {path}:\n")
+        out.write(f"ckptfs: {'timed out; ' if not lost else ''}still pending under {path}:\n")
         for p, size, state in backlog.files[:50]:
             out.write(f"  {state:10} {human_bytes(size):>10}  {p}\n")
         for key in backlog.deletes[:50]:
