@@ -19,6 +19,7 @@ from ckptfs.fsmeta.layout import CacheDir
 from .errors import FsError
 
 if TYPE_CHECKING:
+    from .datapath import Backing
     from .files import Handle, OpenFile
 
 
@@ -32,6 +33,7 @@ class CoreState:
     open_files: dict[int, OpenFile] = field(default_factory=dict)  # by inode
     handles: dict[int, Handle] = field(default_factory=dict)  # by fh, files and directories
     next_fh: itertools.count = field(default_factory=lambda: itertools.count(1))
+    backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
