@@ -66,7 +66,7 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["data_path"] == "passthrough"
 
-    writes, reads = _ops(gw, "write"), _ops(gw, "read")
+    writes, reads, fsyncs = _ops(gw, "write"), _ops(gw, "read"), _ops(gw, "fsync")
     (gw.mnt / "run").mkdir()
     path = gw.mnt / "run" / "big.bin"
     digest = hashlib.sha256()
@@ -76,6 +76,7 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
         digest.update(chunk)
         os.write(fd, chunk)
     os.fsync(fd)
+    assert _ops(gw, "fsync") == fsyncs + 1  # fsync still reaches the gateway (fsmeta sync)
     os.close(fd)
     assert os.stat(path).st_size == 64 * MiB
     assert hashlib.sha256(path.read_bytes()).digest() == digest.digest()
