@@ -136,13 +136,12 @@ class OpenFiles:
 
         def changed(txn: Txn) -> None:
             inode = txn.get_inode(ino)
-            if inode is None or not inode.is_reg:
-                return
+            if inode is None or not inode.is_reg or inode.nlink == 0:
+                return  # gone, or unlinked: nothing to upload
             durability.mark_dirty(txn, inode, now)
             inode.size, inode.mtime_ns = st.st_size, st.st_mtime_ns
             inode.ctime_ns = max(inode.ctime_ns, st.st_ctime_ns)
-            if inode.nlink > 0:
-                durability.mark_written(txn, ino, now)
+            durability.mark_written(txn, ino, now)
             txn.put_inode(inode)
 
         self._state.meta.write(changed)
