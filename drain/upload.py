@@ -392,7 +392,9 @@ def plan_parts(
 
 
 def _stat_id(st: os.stat_result) -> tuple:
-    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
+    # ctime too: in passthrough mode the gateway sees no writes, and a shared mapping can
+    # change the file with no writer open; ctime moves with every change and cannot be set.
+    return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 async def upload_file(
@@ -430,7 +432,7 @@ async def upload_file(
       (:class:`UploadJournal`); retryable errors never give up.
     * Permanent store errors propagate; the multipart upload is left in place
       for a later resume (or :func:`abort_stale_uploads`).  If the file changes
-      during the upload (size/mtime/inode), the upload is aborted and
+      during the upload (size/mtime/ctime/inode), the upload is aborted and
       :class:`ckptfs.drain.localio.SourceChangedError` is raised.
     """
     if options.concurrency < 1:

@@ -33,6 +33,11 @@ GIB = 1 << 30
 CHECKSUMS = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
 
 
+# The gateway's data path (``[mount] data_path``): passthrough when the kernel grants it
+# (``auto``), required (``passthrough``: refuse to mount otherwise), or the writeback cache.
+DATA_PATHS = ("auto", "passthrough", "writeback")
+
+
 class ConfigError(ValueError):
     """A setting is wrong; the message starts with the setting's name."""
 
@@ -154,6 +159,7 @@ class Settings:
     fsync: str = "local"
     metrics_addr: str = "127.0.0.1:9810"
     allow_other: bool | None = None  # None: on when run as root
+    data_path: str = "auto"  # auto | passthrough | writeback (gateway/passthrough.py)
     # drain
     settle_seconds: float = 1.0
     part_size: int = 64 * MIB
@@ -188,6 +194,8 @@ class Settings:
                                   "AWS credential chain (environment, profile, IRSA)")
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
                 raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
+        if self.data_path not in DATA_PATHS:
+            raise ConfigError(f"mount.data_path: must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}")
         if self.fsync not in ("local", "remote"):
             raise ConfigError(f"fsync: must be 'local' or 'remote', got {self.fsync!r}")
         try:
@@ -216,6 +224,7 @@ _TOML_KEYS = {
         "fsync": "fsync",
         "metrics_addr": "metrics_addr",
         "allow_other": "allow_other",
+        "data_path": "data_path",
         "endpoint_url": "endpoint_url",
         "region": "region",
     },
@@ -234,7 +243,7 @@ _TOML_KEYS = {
 
 _TYPES = {
     "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
-    "allow_other": bool, "cache_dir": str, "settle_seconds": (int, float), "part_size": (str, int),
+    "allow_other": bool, "data_path": str, "cache_dir": str, "settle_seconds": (int, float), "part_size": (str, int),
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
 }
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ckptfs.fsmeta import Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
 
-from . import recovery
+from . import datapath, recovery
 from .errors import FsError
 from .files import Handle, OpenFiles
 from .lookups import LookupCounts
@@ -117,6 +117,46 @@ class FsCore:
     def recover(self) -> dict:
         return recovery.recover(self._state)
 
+    # -- data path -------------------------------------------------------------------
+
+    @property
+    def passthrough(self) -> bool:
+        return self._state.backing is not None
+
+    def enable_passthrough(self, open_id, close_id) -> None:
+        """Passthrough mode (before any file is open): reads and writes of open files go from
+        the kernel to their cache files; ``open_id(fd)``/``close_id(id)`` register them
+        (``gateway/passthrough.py``). See gateway/datapath.py."""
+        with self._state.lock:
+            assert not self._state.open_files, "switching the data path with files open"
+            self._state.backing = datapath.Backing(open_id, close_id)
+
+    def disable_passthrough(self) -> None:
+        """Back to the gateway serving reads and writes (the kernel did not grant passthrough)."""
+        with self._state.lock:
+            assert not self._state.open_files, "switching the data path with files open"
+            self._state.backing = None
+
+    def backing_id(self, fh: int) -> int:
+        """The backing id for an open/create reply (0: none, the daemon serves the data)."""
+        return self._files.backing_id(fh)
+
+    def sweep_mapped(self) -> int:
+        """Passthrough: files released after writing whose cache file changed since (a shared
+        mapping outliving close) get a new generation and their current size and mtime.
+        Returns how many."""
+        backing = self._state.backing
+        if backing is None:
+            return 0
+        n = 0
+        for ino, st in backing.changed():
+            with self._state.lock:
+                if ino in self._open:
+                    continue  # the open file takes it at its next flush/release
+            self._files.cache_changed(ino, st)
+            n += 1
+        return n
+
     # -- helpers ---------------------------------------------------------------------
 
     def _data_path(self, ino: int) -> str:
@@ -128,6 +168,8 @@ class FsCore:
             of = self._open.get(inode.ino)
             size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
             if of is not None:
+                if self._state.backing is not None:
+                    datapath.refresh(of)  # writes went straight to the cache file
                 size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
             size = len(inode.target)
@@ -170,7 +212,7 @@ class FsCore:
         now = self.clock()
         with self._state.lock:
             of = self._open.get(ino)
-            times_only = (of is not None and of.attrs_dirty and req.mtime_ns is not None
+            times_only = (of is not None and of.attrs_dirty and self._state.backing is None and req.mtime_ns is not None
                           and req.size is None and req.mode is None and req.uid is None
                           and req.gid is None and req.atime_ns is None)
             if times_only:
@@ -226,6 +268,8 @@ class FsCore:
                         of.mtime_ns = inode.mtime_ns
                         of.ctime_ns = inode.ctime_ns
                         of.needs_bump = True
+                        if self._state.backing is not None:
+                            datapath.align(of, inode.atime_ns, inode.mtime_ns)
         else:
             inode = self.meta.write(apply)
             with self._state.lock:
@@ -233,6 +277,8 @@ class FsCore:
                 if of is not None:
                     if req.mtime_ns is not None:
                         of.mtime_ns = inode.mtime_ns
+                        if self._state.backing is not None:
+                            datapath.align(of, inode.atime_ns, inode.mtime_ns)
                     of.ctime_ns = inode.ctime_ns
         with self._state.lock:
             return self._attr(inode)

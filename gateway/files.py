@@ -4,7 +4,8 @@ While a file is open, its size and mtime are kept in memory (:class:`OpenFile`)
 and written to fsmeta on flush, fsync and release, so a 1 MiB write costs one
 ``pwrite`` and no LMDB transaction. The first write after each of those points
 bumps the generation in fsmeta *before* the bytes change, so the drain never
-commits an upload of content that was modified under it.
+commits an upload of content that was modified under it. In passthrough mode the
+gateway sees no writes: see gateway/datapath.py for what replaces the above.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ckptfs.fsmeta import Inode, Txn, durability
 
+from . import datapath
 from .errors import FsError
 from .lookups import LookupCounts
 from .state import CoreState, need_inode
@@ -37,6 +39,10 @@ class OpenFile:
     needs_bump: bool = True  # next modification must bump the generation first
     write_behind: WriteBehind = field(default_factory=WriteBehind)  # see gateway/writeback.py
     io_lock: threading.Lock = field(default_factory=threading.Lock)
+    # passthrough mode (gateway/datapath.py):
+    backing_id: int = 0  # shared by every handle of the inode
+    cache_stat: tuple | None = None  # the cache file's stat_id when last taken into size/mtime
+    opened_for_write: bool = False
 
 
 @dataclass
@@ -57,24 +63,84 @@ class OpenFiles:
         s = self._state
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
+        if s.backing is not None:
+            self._check_watched(inode)
         with s.lock:
             of = s.open_files.get(inode.ino)
             if of is None:
                 fd = s.open_cache_file(inode.ino)
                 of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns)
                 s.open_files[inode.ino] = of
+                if s.backing is not None:
+                    try:
+                        self._adopt(of, inode)
+                    except BaseException:
+                        del s.open_files[inode.ino]
+                        os.close(fd)
+                        raise
             of.refs += 1
             if writable:
                 of.writers += 1
+                of.opened_for_write = True
             fh = next(s.next_fh)
             s.handles[fh] = Handle(fh, inode.ino, writable, of)
         if writable:
             try:
                 s.meta.write(lambda txn: txn.add_writer(inode.ino, 1))
+                if s.backing is not None:
+                    self._bump(of)  # no WRITE will tell us: the bytes may change from now on
             except BaseException:
                 self.release(fh)
                 raise
         return fh
+
+    def _adopt(self, of: OpenFile, inode: Inode) -> None:
+        """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can
+        leave it longer or shorter: bytes past the size were never acknowledged, a missing
+        tail reads as zeros) and times (the kernel shows the cache file's after each read or
+        write), and a backing id that every handle of the inode shares."""
+        st = os.fstat(of.fd)
+        if st.st_size != inode.size:
+            os.ftruncate(of.fd, inode.size)
+        if st.st_size != inode.size or st.st_mtime_ns != inode.mtime_ns:
+            datapath.align(of, inode.atime_ns, inode.mtime_ns)
+        else:
+            of.cache_stat = datapath.stat_id(st)
+        self._state.backing.attach(of)
+
+    def _check_watched(self, inode: Inode) -> None:
+        """Passthrough: a file released after writing may have changed since (a shared mapping)."""
+        prev = self._state.backing.unwatch(inode.ino)
+        if prev is None:
+            return
+        try:
+            st = os.stat(self._state.data_path(inode.ino))
+        except FileNotFoundError:
+            return
+        if datapath.stat_id(st) != prev:
+            self.cache_changed(inode.ino, st)
+            inode.size, inode.mtime_ns = st.st_size, st.st_mtime_ns
+
+    def cache_changed(self, ino: int, st: os.stat_result) -> None:
+        """A closed file's cache file changed behind the gateway (a shared mapping outliving
+        close): new generation, and its size and mtime as they are now."""
+        now = self._state.clock()
+
+        def changed(txn: Txn) -> None:
+            inode = txn.get_inode(ino)
+            if inode is None or not inode.is_reg or inode.nlink == 0:
+                return  # gone, or unlinked: nothing to upload
+            durability.mark_dirty(txn, inode, now)
+            inode.size, inode.mtime_ns = st.st_size, st.st_mtime_ns
+            inode.ctime_ns = max(inode.ctime_ns, st.st_ctime_ns)
+            durability.mark_written(txn, ino, now)
+            txn.put_inode(inode)
+
+        self._state.meta.write(changed)
+
+    def backing_id(self, fh: int) -> int:
+        h = self.handle(fh)
+        return h.open_file.backing_id if h.open_file is not None else 0
 
     def handle(self, fh: int) -> Handle:
         with self._state.lock:
@@ -136,6 +202,8 @@ class OpenFiles:
         s = self._state
         with of.io_lock:
             with s.lock:
+                if s.backing is not None:
+                    datapath.refresh(of)  # writes went straight to the cache file
                 if not of.attrs_dirty:
                     of.needs_bump = True
                     return
@@ -158,6 +226,19 @@ class OpenFiles:
                     of.attrs_dirty = True  # not stored: the next flush or fsync tries again
                 raise
             of.needs_bump = True
+
+    def _release_backing(self, of: OpenFile) -> None:
+        """Passthrough: the inode's last handle is gone."""
+        s = self._state
+        s.backing.detach(of)
+        if of.opened_for_write:
+            with s.lock:
+                moved = datapath.refresh(of) or of.attrs_dirty
+            if moved:  # changed with no writable handle open: through a shared mapping
+                self._bump(of)
+                self.persist(of)
+            # A shared mapping can outlive this release: keep comparing for a while.
+            s.backing.watch(of.ino, s.data_path(of.ino), of.cache_stat)
 
     def truncate_data(self, ino: int, size: int) -> None:
         s = self._state
@@ -211,6 +292,8 @@ class OpenFiles:
                 if last:
                     del s.open_files[of.ino]
             if last:
+                if s.backing is not None:
+                    self._release_backing(of)
                 os.close(of.fd)
                 self._lookups.maybe_purge(of.ino)
                 s.bound_unsynced_names()

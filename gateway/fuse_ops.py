@@ -62,10 +62,19 @@ class CkptOperations(pyfuse3.Operations):
     enable_writeback_cache = True
     supports_dot_lookup = True
 
-    def __init__(self, core: FsCore, *, fsync_hook=None):
+    def __init__(self, core: FsCore, *, fsync_hook=None, on_init=None):
         super().__init__()
         self.core = core
         self.fsync_hook = fsync_hook  # --fsync=remote: awaited after a local fsync
+        # Called once the kernel's INIT was handled (passthrough granted or not is known then).
+        # A gateway in passthrough mode sets ``enable_passthrough = True`` on the instance
+        # before pyfuse3.init(); if the kernel does not grant it, the patched pyfuse3 still
+        # negotiates the writeback cache (enable_writeback_cache stays True).
+        self.on_init = on_init
+
+    def init(self):
+        if self.on_init is not None:
+            self.on_init()
 
     @contextlib.asynccontextmanager
     async def _answering(self, op: str):
@@ -153,13 +162,20 @@ class CkptOperations(pyfuse3.Operations):
 
     # -- files ---------------------------------------------------------------------------
 
+    def _file_info(self, fh: int) -> pyfuse3.FileInfo:
+        # Passthrough: the kernel reads and writes the cache file itself (no keep_cache then).
+        bid = self.core.backing_id(fh) if self.core.passthrough else 0
+        if bid:
+            return pyfuse3.FileInfo(fh=fh, backing_id=bid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
     async def open(self, inode, flags, ctx):
         fh = await self._call("open", self.core.open, inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return self._file_info(fh)
 
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attr = await self._call("create", self.core.create, parent_inode, name, mode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(attr)
+        return self._file_info(fh), _entry(attr)
 
     async def read(self, fh, off, size):
         data = await self._call("read", self.core.read, fh, off, size)

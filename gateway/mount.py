@@ -27,7 +27,7 @@ from ckptfs.fsmeta import locks
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 
-from . import metrics
+from . import datapath, metrics, passthrough
 from .core import FsCore
 from .fuse_ops import CkptOperations
 from .supervisor import DrainSupervisor
@@ -177,6 +177,23 @@ def check_bucket(settings: Settings) -> None:
         raise MountError(f"bucket {settings.bucket_url}: no answer from {where} within 60s") from None
 
 
+def choose_data_path(requested: str) -> tuple[str, str]:
+    """``(mode, why)``: ``passthrough`` or ``writeback`` for ``[mount] data_path`` (auto,
+    passthrough, writeback).
+
+    ``passthrough`` refuses, with the reason, where :func:`passthrough.probe` says it cannot
+    work; ``auto`` then falls back to the writeback cache. The kernel has the last word at
+    INIT (see ``on_init`` in :func:`run_foreground`)."""
+    if requested == "writeback":
+        return "writeback", "as configured"
+    ok, reason = passthrough.probe()
+    if ok:
+        return "passthrough", reason
+    if requested == "passthrough":
+        raise MountError(f"data_path passthrough: not available here: {reason}")
+    return "writeback", f"passthrough not available: {reason}"
+
+
 # -- running --------------------------------------------------------------------------------
 
 
@@ -190,6 +207,10 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         return 1
 
     mountpoint = os.path.abspath(mountpoint)
+    try:
+        data_path, data_path_why = choose_data_path(settings.data_path)
+    except MountError as exc:
+        return fail(str(exc))
     try:
         prepare_cache_dir(settings.cache_dir)
         lock_fd = lock_cache_dir(settings.cache_dir)
@@ -210,7 +231,30 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         log.info("recovered cache: %s", recovered)
     supervisor = DrainSupervisor(settings)
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
-    ops = CkptOperations(core, fsync_hook=fsync_hook)
+    if data_path == "passthrough":
+        core.enable_passthrough(passthrough.open_backing, passthrough.close_backing)
+
+    def record_data_path(mode: str) -> None:
+        meta.write(lambda txn: txn.put_gateway_status(
+            {"pid": os.getpid(), "mountpoint": mountpoint, "data_path": mode, "started_ns": time.time_ns()}))
+        metrics.set_data_path(mode)
+
+    def on_init() -> None:
+        # The kernel's INIT: only now is it known whether passthrough was granted. If not, the
+        # patched pyfuse3 negotiated the writeback cache instead, and the gateway serves
+        # reads and writes as in writeback mode.
+        mode = data_path
+        if mode == "passthrough" and not passthrough.granted():
+            log.error("data path: the kernel did not grant FUSE passthrough at INIT; "
+                      "serving reads and writes through the writeback cache instead")
+            core.disable_passthrough()
+            mode = "writeback"
+        log.info("data path: %s (%s)", mode, data_path_why if mode == data_path else "not granted at INIT")
+        record_data_path(mode)
+
+    ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init)
+    if data_path == "passthrough":
+        ops.enable_passthrough = True  # read by the patched pyfuse3 at INIT
 
     allow_other = settings.allow_other if settings.allow_other is not None else os.geteuid() == 0
     options = {"fsname=ckptfs", "subtype=ckptfs", "default_permissions"}
@@ -221,10 +265,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     except RuntimeError as exc:
         meta.close()
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
-    meta.write(lambda txn: txn.put_gateway_status(
-        {"pid": os.getpid(), "mountpoint": mountpoint, "data_path": "writeback", "started_ns": time.time_ns()}))
+    record_data_path(data_path)  # until INIT confirms it (on_init)
     metrics.watch_cache(settings.cache_dir, meta)
-    metrics.set_data_path("writeback")
     metrics.serve(settings.metrics_addr)
     supervisor.start()
     log.info("mounted %s on %s (cache %s)", settings.bucket_url, mountpoint, settings.cache_dir)
@@ -243,8 +285,22 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
 
             nursery.start_soon(on_signal)
             nursery.start_soon(supervisor.watch)
+            nursery.start_soon(sweep_mapped)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
+
+    async def sweep_mapped() -> None:
+        # Passthrough: cache files changed through a shared mapping after their last release.
+        while True:
+            await trio.sleep(datapath.SWEEP_SECONDS)
+            if core.passthrough:
+                try:
+                    n = await trio.to_thread.run_sync(core.sweep_mapped)
+                except Exception:
+                    log.exception("sweep of mapped files failed")
+                    continue
+                if n:
+                    log.info("%d closed file(s) changed through a shared mapping: new generation", n)
 
     status = 0
     try:

@@ -19,6 +19,7 @@ from ckptfs.fsmeta.layout import CacheDir
 from .errors import FsError
 
 if TYPE_CHECKING:
+    from .datapath import Backing
     from .files import Handle, OpenFile
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
@@ -39,6 +40,7 @@ class CoreState:
     # Inodes whose cache file was created since data/ was last fsynced: an fsync of
     # the file must also make its name in data/ durable.
     unsynced_cache_names: set[int] = field(default_factory=set)
+    backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)

@@ -1,4 +1,8 @@
-"""Write-path benchmark: a plain directory against the ckptfs mount, same disk, same run.
+"""Write-path benchmark: a plain directory against ckptfs mounts, same disk, same run.
+
+Two mounts run side by side (``--mounts``): one on the passthrough data path
+(``--data-path passthrough``: the kernel writes the cache file itself) and one on the
+fallback writeback-cache path (``--data-path writeback``: the gateway serves WRITE).
 
 Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``rename``]):
 
@@ -15,8 +19,8 @@ Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``ren
   ``x.tmp`` + fsync + rename (``--torch``, when torch is importable; its time
   includes torch's own serialisation work).
 
-Runs alternate (plain, mount, plain, mount, ...) for ``--rounds`` rounds so a
-noisy virtual disk hits both sides alike; the report gives medians, the spread
+Runs alternate (plain, passthrough, writeback, plain, ...) for ``--rounds`` rounds so
+a noisy virtual disk hits every side alike; the report gives medians, the spread
 (min..max) and the ratio mount/plain of the medians and of each pair.
 
 The table also gives the CPU time the gateway (and drain) spent per GiB
@@ -37,7 +41,8 @@ the same file system as the plain directory, by default under /var/tmp) with
 Usage::
 
     .venv/bin/python -m integration.bench_write [--size-gib 4] [--ckpt-gib 1] [--rounds 5]
-        [--rss-sizes 1,8] [--drop-caches] [--torch] [--workdir /var/tmp]
+        [--mounts passthrough,writeback] [--rss-sizes 1,8] [--drop-caches] [--torch]
+        [--workdir /var/tmp]
 """
 
 from __future__ import annotations
@@ -408,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-gib", type=float, default=1.0, help="torch-like checkpoint size (default 1)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating plain/mount rounds (default 5)")
     ap.add_argument("--rss-sizes", default="1,8", help="GiB sizes for the RSS check, '' to skip (default 1,8)")
-    ap.add_argument("--workloads", default="seq,ckpt", help="comma list of seq,ckpt,torch (default seq,ckpt)")
+    ap.add_argument("--workloads", default="seq,ckpt,torch",
+                    help="comma list of seq,ckpt,torch (default all three; torch only if importable)")
+    ap.add_argument("--mounts", default="passthrough,writeback",
+                    help="data paths to mount side by side (default passthrough,writeback)")
     ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
     ap.add_argument("--drop-caches", action="store_true", help="sync + drop the page cache before every run")
     ap.add_argument("--drain-live", action="store_true", help="keep the default drain settle window")
@@ -431,58 +439,72 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.workdir)
     plain = os.path.join(workdir, "plain")
     os.makedirs(plain)
-    mount = Mount(workdir, settle_seconds=None if args.drain_live else 3600)
+    modes = [m for m in args.mounts.split(",") if m]
+    mounts = {m: Mount(os.path.join(workdir, m), settle_seconds=None if args.drain_live else 3600,
+                       extra_args=["--data-path", m]) for m in modes}
+    sides = ["plain", *modes]
     buf = _payload(256 * MIB)
-    results: dict[str, dict[str, list[float]]] = {w: {"plain": [], "mount": []} for w in workloads}
-    cpu: dict[str, list[float]] = {w: [] for w in workloads}  # gateway (+drain) CPU s per GiB
+    results: dict[str, dict[str, list[float]]] = {w: {side: [] for side in sides} for w in workloads}
+    # gateway (+drain) CPU s per GiB, by workload and data path
+    cpu: dict[str, dict[str, list[float]]] = {w: {m: [] for m in modes} for w in workloads}
     dropped = False
     try:
-        mount.start()
-        procs = mount.processes()
-        st_plain, st_cache = os.stat(plain), os.stat(mount.cache)
+        for m in modes:
+            os.makedirs(mounts[m].workdir, exist_ok=True)
+            mounts[m].start()
+        mount = mounts[modes[0]]
+        st_plain = os.stat(plain)
         print(f"ckptfs write bench  kernel {platform.release()}  cpus {os.cpu_count()}  workdir {workdir}")
-        print(f"  plain dir and cache dir on the same device: {st_plain.st_dev == st_cache.st_dev}"
-              f"  processes: {procs}  drain settle: {'default' if args.drain_live else '3600 s'}")
-        print(f"  rounds {args.rounds} (alternating plain, mount)  drop caches: {args.drop_caches}"
+        for m in modes:
+            with open(mounts[m].log_path, errors="replace") as fh:
+                said = [line.split("data path: ", 1)[1].strip() for line in fh if "data path: " in line]
+            print(f"  mount {m}: data path {said[-1] if said else '?'}  processes {mounts[m].processes()}"
+                  f"  cache on the plain dir's device: {os.stat(mounts[m].cache).st_dev == st_plain.st_dev}")
+        print(f"  drain settle: {'default' if args.drain_live else '3600 s'}")
+        print(f"  rounds {args.rounds} (alternating {', '.join(sides)})  drop caches: {args.drop_caches}"
               "  MB/s = 1e6 bytes/s, open..fsync+close[+rename]")
-        print(f"  load average at start: {_loadavg()} (other work on the machine skews both sides)")
+        print(f"  load average at start: {_loadavg()} (other work on the machine skews every side)")
         for rnd in range(args.rounds):
             for w in workloads:
-                for side, directory in (("plain", plain), ("mount", mount.mnt)):
+                for side in sides:
+                    directory = plain if side == "plain" else mounts[side].mnt
                     if args.drop_caches:
                         dropped = drop_caches()
                     else:
                         os.sync()
-                    pids = mount.processes().values() if side == "mount" else ()
+                    pids = mounts[side].processes().values() if side != "plain" else ()
                     cpu0 = _cpu_seconds(pids)
                     seconds = funcs[w](directory, sizes[w], buf)
                     results[w][side].append(_mbps(sizes[w], seconds))
-                    if side == "mount":
-                        cpu[w].append((_cpu_seconds(pids) - cpu0) / (sizes[w] / GIB))
+                    if side != "plain":
+                        cpu[w][side].append((_cpu_seconds(pids) - cpu0) / (sizes[w] / GIB))
                     clear_dir(directory)
             print(f"  round {rnd + 1}: " + "  ".join(
-                f"{w} plain {results[w]['plain'][-1]:.0f} mount {results[w]['mount'][-1]:.0f}"
+                f"{w} " + " ".join(f"{side} {results[w][side][-1]:.0f}" for side in sides)
                 for w in workloads), flush=True)
         if args.drop_caches and not dropped:
             print("  (could not drop the page cache: not root?)")
         print()
         print(f"load average at end: {_loadavg()}")
-        print(f"{'workload':<24} {'plain MB/s med (min..max)':>26} {'mount MB/s med (min..max)':>26}"
+        print(f"{'workload':<24} {'side':<12} {'MB/s med (min..max)':>22}"
               f" {'ratio':>6} {'pair ratios med (min..max)':>28} {'gw CPU s/GiB':>13}")
         for w in workloads if args.rounds > 0 else ():
-            p, m = results[w]["plain"], results[w]["mount"]
-            pairs = [b / a for a, b in zip(p, m)]
+            p = results[w]["plain"]
             label = {"seq": f"seq {args.size_gib:g} GiB 1MiB+fsync",
                      "ckpt": f"ckpt {args.ckpt_gib:g} GiB tmp+fsync+mv",
                      "torch": f"torch.save {args.ckpt_gib:g} GiB"}[w]
-            print(f"{label:<24} {_spread(p):>26} {_spread(m):>26} {statistics.median(m) / statistics.median(p):6.2f}"
-                  f" {statistics.median(pairs):13.2f} ({min(pairs):.2f}..{max(pairs):.2f})"
-                  f" {statistics.median(cpu[w]):13.2f}")
+            print(f"{label:<24} {'plain':<12} {_spread(p):>22}")
+            for m in modes:
+                r = results[w][m]
+                pairs = [b / a for a, b in zip(p, r)]
+                print(f"{'':<24} {m:<12} {_spread(r):>22} {statistics.median(r) / statistics.median(p):6.2f}"
+                      f" {statistics.median(pairs):13.2f} ({min(pairs):.2f}..{max(pairs):.2f})"
+                      f" {statistics.median(cpu[w][m]):13.2f}")
         rss_sizes = [float(s) for s in args.rss_sizes.split(",") if s.strip()]
         rss_results = []
         if rss_sizes:
             print()
-            print("peak RSS while writing through the mount (VmHWM reset before each file"
+            print(f"peak RSS while writing through the {modes[0]} mount (VmHWM reset before each file"
                   " via clear_refs; 'sampled' = max VmRSS polled every 100 ms)")
             for gib in rss_sizes:
                 os.sync()
@@ -500,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(Exception):
             clear_dir(plain)
-        mount.stop()
+        for m in mounts.values():
+            m.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:

@@ -303,12 +303,29 @@ def _kill_leftover_gateways() -> None:
 atexit.register(_kill_leftover_gateways)
 
 
+# The gateway's data paths (``--data-path``). Mounted test modules that must hold in both
+# define a module-scoped ``data_path`` fixture over DATA_PATHS (see ``both_data_paths``);
+# elsewhere mounts run the writeback path, as ``data_path`` below says.
+DATA_PATHS = ["writeback", "passthrough"]
+
+
+def both_data_paths(request) -> str:
+    """Body of a module's ``data_path`` fixture parametrized over DATA_PATHS."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def data_path() -> str:
+    return "writeback"
+
+
 class Gateway:
     """One ``ckptfs mount --foreground`` process (group) and its directories."""
 
     def __init__(self, base: Path, *, cache: Path | None = None, bucket: Path | None = None,
-                 mnt: Path | None = None, extra_args: tuple = ()):
+                 mnt: Path | None = None, extra_args: tuple = (), data_path: str | None = "writeback"):
         self.base = base
+        self.data_path = data_path  # --data-path; None: the setting's default (auto)
         self.cache = cache or base / "cache"
         self.bucket = bucket or base / "bucket"
         self.mnt = mnt or base / "mnt"
@@ -336,7 +353,13 @@ class Gateway:
     def argv(self) -> list[str]:
         config = [] if "--config" in self.extra_args else ["--config", str(self.config)]
         return [*ckptfs_cmd(), "mount", self.url, str(self.mnt), "--cache-dir", str(self.cache),
-                "--foreground", "--metrics-addr", f"127.0.0.1:{self.metrics_port}", *config, *self.extra_args]
+                "--foreground", "--metrics-addr", f"127.0.0.1:{self.metrics_port}", *config, *self.mode_args(),
+                *self.extra_args]
+
+    def mode_args(self) -> list[str]:
+        if self.data_path is None or "--data-path" in self.extra_args:
+            return []
+        return ["--data-path", self.data_path]
 
     def start(self, timeout: float = 30.0) -> "Gateway":
         self.runs += 1
@@ -456,8 +479,10 @@ def remove_base(base: Path) -> None:
 
 
 @pytest.fixture
-def gateway_factory():
-    """Make Gateways in world-traversable temp dirs; stop them all at teardown."""
+def gateway_factory(data_path):
+    """Make Gateways in world-traversable temp dirs; stop them all at teardown.
+
+    They run the module's ``data_path`` unless a test passes its own."""
     made: list[Gateway] = []
     bases: list[Path] = []
 
@@ -466,6 +491,7 @@ def gateway_factory():
             pytest.skip(FUSE_SKIP)
         base = make_public_dir("ckptfs-test-")
         bases.append(base)
+        kwargs.setdefault("data_path", data_path)
         gw = Gateway(base, **kwargs)
         made.append(gw)
         if start:
@@ -491,12 +517,13 @@ def gateway(gateway_factory) -> Gateway:
 
 
 @pytest.fixture(scope="module")
-def shared_gateway():
-    """One mount per test module (mounting costs ~0.5 s); tests work in their own subdirectory."""
+def shared_gateway(data_path):
+    """One mount per test module and data path (mounting costs ~0.5 s); tests work in their
+    own subdirectory."""
     if FUSE_SKIP:
         pytest.skip(FUSE_SKIP)
     base = make_public_dir("ckptfs-test-")
-    gw = Gateway(base).start()
+    gw = Gateway(base, data_path=data_path).start()
     yield gw
     gw.stop()
     bad = gw.unexpected()

@@ -106,6 +106,8 @@ def test_bad_bucket_urls_name_the_setting(url):
     ('[cache]\nsize = 1', "cache.size"),
     ('[mount]\nfsync = "always"', "fsync"),
     ('[mount]\nallow_other = "yes"', "mount.allow_other"),
+    ('[mount]\ndata_path = "fast"', "mount.data_path"),
+    ('[mount]\ndata_path = true', "mount.data_path"),
     ('[mount]\nmetrics_addr = "localhost"', "metrics_addr"),
     ('[mount]\nendpoint_url = "ftp://x"', "endpoint_url"),
     ('[nonsense]\nx = 1', "nonsense"),
@@ -155,3 +157,12 @@ def test_credentials_in_the_endpoint_url_are_refused_without_echoing_them(tmp_pa
         build_settings(path, {})
     assert str(exc.value).startswith("endpoint_url:")
     assert "s3cr3t" not in str(exc.value) and "AKIAXX" not in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["auto", "passthrough", "writeback"])
+def test_data_path_setting(tmp_path, value):
+    path = write(tmp_path, f'bucket_url = "s3://abc"\n[mount]\ndata_path = "{value}"\n')
+    assert build_settings(path, {}).data_path == value
+    assert build_settings(None, {"bucket_url": "s3://abc"}).data_path == "auto"
+    # the flag overrides the file
+    assert build_settings(path, {"data_path": "writeback"}).data_path == "writeback"

@@ -16,7 +16,10 @@ import time
 
 import pytest
 
-from conftest import check_cache_dir, needs_fuse, tree
+from conftest import DATA_PATHS, both_data_paths, check_cache_dir, needs_fuse, tree
+
+# Every test here runs on both data paths (one mount per path: see conftest.DATA_PATHS).
+data_path = pytest.fixture(scope="module", params=DATA_PATHS)(both_data_paths)
 
 pytestmark = [needs_fuse, pytest.mark.mounted]
 

@@ -24,7 +24,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from conftest import RENAME_EXCHANGE, RENAME_NOREPLACE, needs_fuse, renameat2
+from conftest import DATA_PATHS, both_data_paths, RENAME_EXCHANGE, RENAME_NOREPLACE, needs_fuse, renameat2
+
+# Every test here runs on both data paths (one mount per path: see conftest.DATA_PATHS).
+data_path = pytest.fixture(scope="module", params=DATA_PATHS)(both_data_paths)
 
 pytestmark = [needs_fuse, pytest.mark.mounted]
 

@@ -268,6 +268,29 @@ def test_source_changed_during_upload(store_factory, tmp_path):
     trio.run(main)
 
 
+def test_source_rewritten_in_place_with_its_old_size_and_mtime_is_caught_by_ctime(store_factory, tmp_path):
+    # Passthrough writes and shared mappings reach the cache file without the gateway: a
+    # same-size overwrite whose mtime is set back must still abort the upload (ctime moves).
+    factory, ps = store_factory
+    src = make_file(tmp_path, ps * 3)
+    st0 = os.stat(src)
+
+    async def main():
+        async with factory() as st:
+            def rewrite(part):
+                if part.number == 1:
+                    with open(src, "r+b") as fh:
+                        fh.write(b"changed")
+                    os.utime(src, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+
+            with pytest.raises(localio.SourceChangedError):
+                await upload_file(st, "chg3/x", src, {}, options=UploadOptions(part_size=ps, concurrency=1),
+                                  journal=Hooks(part_done=rewrite))
+            assert await st.head("chg3/x") is None
+
+    trio.run(main)
+
+
 def test_part_limiter_bounds_parts_in_flight(tmp_path):
     root = tmp_path / "b"
     root.mkdir()

@@ -24,6 +24,7 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         "fsync": args.fsync,
         "metrics_addr": args.metrics_addr,
         "allow_other": args.allow_other,
+        "data_path": args.data_path,
     }
     try:
         settings = build_settings(args.config, overrides)
@@ -73,6 +74,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML settings file")
     p.add_argument("--foreground", "-f", action="store_true", help="stay attached; log to stderr")
     p.add_argument("--fsync", choices=["local", "remote"], help="remote: fsync waits until durable in the bucket")
+    p.add_argument("--data-path", choices=["auto", "passthrough", "writeback"],
+                   help="file data path: FUSE passthrough, the writeback cache, or auto (passthrough "
+                        "when available; default)")
     p.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9810)")
     p.add_argument("--allow-other", dest="allow_other", action="store_true", default=None,
                    help="let other users access the mount (default when root)")

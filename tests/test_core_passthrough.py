@@ -1,0 +1,164 @@
+"""The core in passthrough mode, without FUSE: the kernel's reads and writes are simulated by
+writing the cache file directly, as a passthrough WRITE (or a shared mapping) does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import ROOT, ROOT_CALLER, fsmeta_problems
+from ckptfs.fsmeta import FileState
+from ckptfs.gateway import datapath
+from ckptfs.gateway.core import SetattrRequest
+
+
+class FakeIds:
+    def __init__(self):
+        self.next = 1
+        self.live: dict[int, int] = {}  # id -> fd it was opened on
+        self.opened = self.closed = 0
+
+    def open(self, fd: int) -> int:
+        os.fstat(fd)  # a real fd
+        bid, self.next = self.next, self.next + 1
+        self.live[bid] = fd
+        self.opened += 1
+        return bid
+
+    def close(self, bid: int) -> None:
+        del self.live[bid]
+        self.closed += 1
+
+
+@pytest.fixture
+def pt(core):
+    ids = FakeIds()
+    core.enable_passthrough(ids.open, ids.close)
+    return core, ids
+
+
+def _inode(core, ino):
+    with core.meta.read() as txn:
+        return txn.get_inode(ino)
+
+
+def _kernel_write(core, ino, offset, data):
+    """What a passthrough WRITE does: the bytes go to the cache file, the gateway hears nothing."""
+    fd = os.open(core._data_path(ino), os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def test_one_backing_id_per_inode_closed_with_the_last_handle(pt):
+    core, ids = pt
+    fh1, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    fh2 = core.open(attr.ino, os.O_RDONLY)
+    fh3 = core.open(attr.ino, os.O_RDWR)
+    bid = core.backing_id(fh1)
+    assert bid > 0 and core.backing_id(fh2) == bid == core.backing_id(fh3)
+    assert ids.opened == 1
+    core.release(fh1)
+    core.release(fh3)
+    assert ids.closed == 0
+    core.release(fh2)
+    assert ids.closed == 1 and not ids.live
+    fh4 = core.open(attr.ino, os.O_RDONLY)
+    assert core.backing_id(fh4) != bid and ids.opened == 2
+    core.release(fh4)
+
+
+def test_open_for_writing_bumps_before_any_byte_can_change(pt):
+    core, _ = pt
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    core.release(fh)
+    g0 = _inode(core, attr.ino).generation
+    fh = core.open(attr.ino, os.O_RDONLY)
+    assert _inode(core, attr.ino).generation == g0  # reading changes nothing
+    core.release(fh)
+    fh = core.open(attr.ino, os.O_RDWR)
+    inode = _inode(core, attr.ino)
+    assert inode.generation == g0 + 1 and inode.state == FileState.DIRTY
+    core.release(fh)
+    fh = core.open(attr.ino, os.O_RDONLY | os.O_TRUNC)
+    assert _inode(core, attr.ino).generation == g0 + 2
+    core.release(fh)
+
+
+def test_size_and_mtime_come_from_the_cache_file(pt):
+    core, _ = pt
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    ino = attr.ino
+    _kernel_write(core, ino, 0, b"x" * 5000)
+    st = os.stat(core._data_path(ino))
+    got = core.getattr(ino)
+    assert got.size == 5000 and got.mtime_ns == st.st_mtime_ns  # getattr of an open file
+    assert _inode(core, ino).size == 0  # not persisted yet
+    core.flush(fh)
+    inode = _inode(core, ino)
+    assert (inode.size, inode.mtime_ns) == (5000, st.st_mtime_ns)
+    _kernel_write(core, ino, 5000, b"y" * 100)
+    core.fsync(fh, False)
+    assert _inode(core, ino).size == 5100
+    _kernel_write(core, ino, 5100, b"z")
+    core.release(fh)
+    assert _inode(core, ino).size == 5101
+    assert fsmeta_problems(core.meta) == []
+
+
+def test_truncate_and_utimes_of_an_open_file_reach_the_cache_file(pt):
+    core, _ = pt
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    ino = attr.ino
+    _kernel_write(core, ino, 0, b"x" * 100)
+    core.setattr(ino, SetattrRequest(size=10), fh)
+    assert os.stat(core._data_path(ino)).st_size == 10 and core.getattr(ino).size == 10
+    core.setattr(ino, SetattrRequest(mtime_ns=1_000_000_000, atime_ns=1_000_000_000), fh)
+    assert os.stat(core._data_path(ino)).st_mtime_ns == 1_000_000_000  # the kernel shows these
+    core.release(fh)
+    inode = _inode(core, ino)
+    assert (inode.size, inode.mtime_ns) == (10, 1_000_000_000)
+
+
+def test_first_open_reconciles_the_cache_file_with_fsmeta(core_env):
+    core = core_env.core
+    core.enable_passthrough(FakeIds().open, lambda bid: None)
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    ino = attr.ino
+    _kernel_write(core, ino, 0, b"x" * 100)
+    core.fsync(fh, False)
+    path = core._data_path(ino)
+    os.truncate(path, 40)  # e.g. a power cut lost the tail of data fsmeta's size covers
+    core = core_env.reopen()  # the crash: nothing in memory survives
+    core.enable_passthrough(FakeIds().open, lambda bid: None)
+    fh = core.open(ino, os.O_RDONLY)
+    assert os.stat(path).st_size == 100  # the missing tail reads as zeros, as fsmeta's size says
+    core.release(fh)
+
+
+def test_a_cache_file_changed_after_the_last_release_gets_a_new_generation(pt):
+    core, ids = pt
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    ino = attr.ino
+    _kernel_write(core, ino, 0, b"x" * 100)
+    core.release(fh)
+    g0 = _inode(core, ino).generation
+    assert core.sweep_mapped() == 0
+    _kernel_write(core, ino, 100, b"m" * 10)  # a shared mapping that outlived close()
+    assert core.sweep_mapped() == 1
+    inode = _inode(core, ino)
+    assert inode.generation == g0 + 1 and inode.size == 110 and inode.state == FileState.DIRTY
+    assert core.sweep_mapped() == 0
+    # ... and at the next open, if the sweep has not run yet
+    _kernel_write(core, ino, 110, b"n")
+    fh = core.open(ino, os.O_RDONLY)
+    inode = _inode(core, ino)
+    assert inode.generation == g0 + 2 and inode.size == 111 and core.getattr(ino).size == 111
+    core.release(fh)
+
+
+def test_stat_id_includes_ctime():
+    st = os.stat(__file__)
+    assert datapath.stat_id(st) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns)

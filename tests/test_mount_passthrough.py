@@ -1,0 +1,132 @@
+"""The passthrough data path on a real mount: really in use, visible, and what it changes.
+
+Every POSIX behaviour is checked on both data paths by the mounted suites (conftest.DATA_PATHS);
+here: WRITE/READ requests no longer reach the gateway while the data still reaches the cache
+file and the bucket, the mode shows in status and metrics, ``--data-path passthrough`` is
+refused where it cannot work, and a shared mapping that outlives close() is noticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import ckptfs_cmd, needs_fuse
+
+pytestmark = [needs_fuse, pytest.mark.mounted]
+
+MiB = 1 << 20
+
+
+def _ops(gw, op: str) -> float:
+    for line in gw.metrics().splitlines():
+        if line.startswith(f'ckptfs_fuse_requests_total{{op="{op}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _gauge(gw, name: str) -> float | None:
+    for line in gw.metrics().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def _drain_config(tmp_path):
+    config = tmp_path / "drain.toml"
+    config.write_text("[drain]\nsettle_seconds = 0.2\n")
+    return config
+
+
+def _cache_file(gw, path) -> "os.PathLike":
+    return gw.cache / "data" / f"{os.stat(path).st_ino:x}"
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, tmp_path):
+    gw = gateway_factory(data_path="passthrough", extra_args=("--config", str(_drain_config(tmp_path))))
+    assert _gauge(gw, 'ckptfs_data_path{mode="passthrough"}') == 1.0
+    assert _gauge(gw, 'ckptfs_data_path{mode="writeback"}') == 0.0
+    assert "data path: passthrough" in gw.log()
+    status = subprocess.run([*ckptfs_cmd(), "status", str(gw.mnt), "--json"], capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["data_path"] == "passthrough"
+
+    writes, reads, fsyncs = _ops(gw, "write"), _ops(gw, "read"), _ops(gw, "fsync")
+    (gw.mnt / "run").mkdir()
+    path = gw.mnt / "run" / "big.bin"
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
+    for i in range(64):
+        chunk = bytes([i]) * MiB
+        digest.update(chunk)
+        os.write(fd, chunk)
+    os.fsync(fd)
+    assert _ops(gw, "fsync") == fsyncs + 1  # fsync still reaches the gateway (fsmeta sync)
+    os.close(fd)
+    assert os.stat(path).st_size == 64 * MiB
+    assert hashlib.sha256(path.read_bytes()).digest() == digest.digest()
+    assert _ops(gw, "write") == writes, "WRITE requests reached the gateway"
+    assert _ops(gw, "read") == reads, "READ requests reached the gateway"
+    assert hashlib.sha256(_cache_file(gw, path).read_bytes()).digest() == digest.digest()
+
+    result = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "60"],
+                            capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert hashlib.sha256((gw.bucket / "run" / "big.bin").read_bytes()).digest() == digest.digest()
+
+
+def test_required_passthrough_is_refused_with_the_reason_where_unavailable(tmp_path, monkeypatch, capsys):
+    from ckptfs.fsmeta.settings import Settings
+    from ckptfs.gateway import mount, passthrough
+
+    monkeypatch.setattr(passthrough, "probe", lambda: (False, "no CAP_SYS_ADMIN (uid 1000)"))
+    (tmp_path / "mnt").mkdir()
+    settings = Settings(bucket_url=f"file://{tmp_path}/bucket", cache_dir=str(tmp_path / "cache"),
+                        data_path="passthrough").validate()
+    assert mount.run_foreground(settings, str(tmp_path / "mnt")) == 1
+    err = capsys.readouterr().err
+    assert err == "ckptfs: data_path passthrough: not available here: no CAP_SYS_ADMIN (uid 1000)\n"
+    assert not os.path.ismount(tmp_path / "mnt")
+    # auto falls back to the writeback cache; writeback never asks
+    assert mount.choose_data_path("auto")[0] == "writeback"
+    monkeypatch.setattr(passthrough, "probe", lambda: (True, "ok"))
+    assert mount.choose_data_path("auto") == ("passthrough", "ok")
+    assert mount.choose_data_path("writeback")[0] == "writeback"
+
+
+def test_a_shared_mapping_written_after_close_is_noticed(gateway_factory, tmp_path):
+    gw = gateway_factory(data_path="passthrough", extra_args=("--config", str(_drain_config(tmp_path))))
+    path = gw.mnt / "mapped.bin"
+    path.write_bytes(b"a" * 8192)
+    result = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "60"],
+                            capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (gw.bucket / "mapped.bin").read_bytes() == b"a" * 8192
+
+    fd = os.open(path, os.O_RDWR)
+    m = mmap.mmap(fd, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)  # the mapping outlives the handle: the gateway's RELEASE comes now
+    time.sleep(0.5)
+    m[0:4] = b"MMAP"  # no handle open: the gateway sees nothing of this
+    m.flush()
+    m.close()
+    expected = b"MMAP" + b"a" * 8188
+    assert path.read_bytes() == expected
+    # The gateway's sweep notices the cache file moved, bumps the generation, the drain re-uploads.
+    _wait_for(lambda: (gw.bucket / "mapped.bin").read_bytes() == expected, 30,
+              "the bucket to get the bytes written through the mapping")
