@@ -131,7 +131,7 @@ class DrainModel(RuleBasedStateMachine):
         self.rec: FaultyStore | None = None
         self.saves: dict[int, dict[str, bytes]] = {}  # save id -> shard -> content
         self.next_save = 1
-        self.drain_crashes = 0
+        self.crash_count = 0  # drain runs that ended in a Crash
         self.violation: str | None = None  # seen by a check while the drain ran
         self.interrupted = False  # a drain run was stopped or crashed since the queue was last empty
 
@@ -215,7 +215,7 @@ class DrainModel(RuleBasedStateMachine):
         except BaseException as exc:  # noqa: BLE001 - a Crash may come wrapped in groups
             if self.violation is None and not all(isinstance(e, Crash) for e in _leaves(exc)):
                 raise
-            self.drain_crashes += 1
+            self.crash_count += 1
         finally:
             if self.rec is not None:
                 self.rec.budget = None
@@ -290,8 +290,8 @@ class DrainModel(RuleBasedStateMachine):
 
     @rule(old=PATHS, new=PATHS, flags=RENAME_FLAGS)
     def rename(self, old, new, flags):
-        if self.interrupted and flags != RENAME_EXCHANGE and self.ino(new) is not None:
-            return  # constraint, defect 10: replacing a name unlinks what it named
+        if self.interrupted:
+            return  # constraint, defect 10 and its rename variants: see unlink
         op, on = self.parent_and_name(old)
         np_, nn = self.parent_and_name(new)
         if op is None or np_ is None:
@@ -309,13 +309,18 @@ class DrainModel(RuleBasedStateMachine):
     @rule(path=PATHS)
     def unlink(self, path):
         if self.interrupted:
-            return  # constraint, defect 10: after an interrupted upload, unlinking leaks its upload/cache file
+            # Constraint, defect 10 and its rename variants (tests/regressions): after a drain run
+            # was cut short, unlinking or renaming a file whose upload (or PUT) was interrupted
+            # leaks its multipart upload, object or cache file. No name changes until it drained.
+            return
         parent, name = self.parent_and_name(path)
         if parent is not None:
             self.fs(self.core.unlink, parent, name)
 
     @rule(old=DIR_PATHS, new=DIR_PATHS, flags=RENAME_FLAGS)
     def rename_dir(self, old, new, flags):
+        if self.interrupted:
+            return  # constraint, defect 10 and its rename variants: see unlink
         self.fs(self.core.rename, ROOT_INO, old.encode(), ROOT_INO, new.encode(), flags)
 
     @rule(path=DIR_PATHS)
@@ -349,6 +354,8 @@ class DrainModel(RuleBasedStateMachine):
 
     @rule(old=st.sampled_from(CHECKPOINTS), new=st.sampled_from(CHECKPOINTS), flags=RENAME_FLAGS)
     def rename_checkpoint(self, old, new, flags):
+        if self.interrupted:
+            return  # constraint, defect 10 and its rename variants: see unlink
         if any((self.env.bucket / ck / MARKER).exists() for ck in (old, new)):
             # Constraint, found here (tests/regressions/test_drain_model_found.py): renaming a
             # checkpoint whose marker is in the bucket deletes the old shards before the old marker.
