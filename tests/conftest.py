@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ckptfs.fsmeta import MetaStore, ROOT_INO  # noqa: E402
-from ckptfs.fsmeta import schema  # noqa: E402
+from ckptfs.fsmeta.check import fsmeta_problems as product_fsmeta_problems  # noqa: E402
 from ckptfs.gateway.core import Caller, FsCore  # noqa: E402
 
 # -- FUSE availability ----------------------------------------------------------------------
@@ -175,66 +175,8 @@ def core(core_env) -> FsCore:
 
 
 def fsmeta_problems(meta: MetaStore) -> list[str]:
-    """Invariants of fsmeta.schema that any committed state must satisfy."""
-    problems = []
-    with meta.read() as txn:
-        inodes = {i.ino: i for i in txn.iter_inodes()}
-        orphans = set(txn.iter_orphans())
-        dirents: dict[int, list[tuple[int, bytes]]] = {}
-        subdirs: dict[int, int] = {}
-        cursor = txn.raw.cursor(db=txn.dbs["dirents"])
-        for key, value in cursor:
-            parent, name = schema.split_dirent_key(key)
-            child = schema.unpack_u64(value)
-            dirents.setdefault(child, []).append((parent, name))
-            p = inodes.get(parent)
-            if p is None or not p.is_dir:
-                problems.append(f"dirent {parent}/{name!r}: parent is not a directory")
-            c = inodes.get(child)
-            if c is None:
-                problems.append(f"dirent {parent}/{name!r}: inode {child} does not exist")
-                continue
-            if c.is_dir:
-                subdirs[parent] = subdirs.get(parent, 0) + 1
-            if txn.raw.get(schema.link_key(child, parent, name), db=txn.dbs["links"]) is None:
-                problems.append(f"dirent {parent}/{name!r}: no reverse link record")
-        cursor = txn.raw.cursor(db=txn.dbs["links"])
-        for key, _ in cursor:
-            ino, parent, name = schema.split_link_key(key)
-            if txn.lookup(parent, name) != ino:
-                problems.append(f"link record {ino} <- {parent}/{name!r} has no dirent")
-        for ino, inode in inodes.items():
-            names = dirents.get(ino, [])
-            if ino == ROOT_INO:
-                if names:
-                    problems.append("the root has a dirent")
-                if inode.nlink != 2 + subdirs.get(ino, 0):
-                    problems.append(f"root nlink {inode.nlink} != 2 + {subdirs.get(ino, 0)} subdirs")
-                continue
-            if inode.is_dir:
-                if inode.nlink == 0:
-                    if names:
-                        problems.append(f"removed dir {ino} still has names {names}")
-                    if ino not in orphans:
-                        problems.append(f"removed dir {ino} is not an orphan")
-                    continue
-                if len(names) != 1:
-                    problems.append(f"dir {ino} has {len(names)} names")
-                elif inode.parent != names[0][0]:
-                    problems.append(f"dir {ino}: parent field {inode.parent} != dirent parent {names[0][0]}")
-                if inode.nlink != 2 + subdirs.get(ino, 0):
-                    problems.append(f"dir {ino}: nlink {inode.nlink} != 2 + {subdirs.get(ino, 0)} subdirs")
-            else:
-                if inode.nlink != len(names):
-                    problems.append(f"inode {ino}: nlink {inode.nlink} but {len(names)} names")
-                if inode.nlink == 0 and ino not in orphans:
-                    problems.append(f"inode {ino}: no name and not an orphan (leaked)")
-            if inode.nlink > 0 and ino in orphans:
-                problems.append(f"inode {ino}: orphan with nlink {inode.nlink}")
-        for ino, _ in txn.iter_pending():
-            if ino not in inodes:
-                problems.append(f"pending record for missing inode {ino}")
-    return problems
+    """Invariants of fsmeta.schema that any committed state must satisfy (the product's checker)."""
+    return product_fsmeta_problems(meta)
 
 
 def check_cache_dir(cache_dir: str | Path) -> list[str]:

@@ -7,6 +7,7 @@ module             commands
 ``cli.drain``      ``drain`` (also the mount's supervised drain process)
 ``cli.status``     ``status``, ``wait-durable``
 ``cli.lifecycle``  ``lifecycle plan|apply``, ``promote``
+``cli.fsck``       ``fsck``
 =================  ===============================================
 
 Exit codes: 0 success, 1 failure, 2 a bad setting or usage (the message names it).
@@ -17,10 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import drain, lifecycle, mount, status
+from . import drain, fsck, lifecycle, mount, status
 from .common import setup_logging
 
-COMMAND_GROUPS = (mount, drain, status, lifecycle)
+COMMAND_GROUPS = (mount, drain, status, lifecycle, fsck)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,181 @@
+"""Defects tests/test_model_drain.py found, each shrunk to plain code.
+
+Each is ``xfail(strict=True)`` while its defect is open: when a fix lands, the test passes,
+the strict xfail fails, and the marker must go (and the model's constraint naming the defect
+with it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import trio
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
+
+from ckptfs.gateway.core import SetattrRequest  # noqa: E402
+
+
+def marker_checker(env, directory: str, shards: dict[str, bytes]):
+    """An after-hook for every store write: while ``directory/.metadata`` is visible, the
+    shards it commits must be there with their content (what a checkpoint reader relies on)."""
+    seen = []
+
+    async def check(key, extra, result):
+        if (env.bucket / directory / ".metadata").exists():
+            for name, content in shards.items():
+                path = env.bucket / directory / name
+                if not path.exists() or path.read_bytes() != content:
+                    seen.append(f"after a write of {key}: {directory}/.metadata visible, {name} is not the "
+                                "committed shard")
+
+    return seen, check
+
+
+def recording(env, check) -> RecStore:
+    rec = RecStore(None)
+    for op in ("put_object", "complete_multipart", "copy", "delete", "delete_many"):
+        rec.after_hooks[op] = check
+    return rec
+
+
+@pytest.mark.xfail(strict=True, reason="defect 3: re-saving into a checkpoint dir leaves the old marker "
+                                        "visible while shards change")
+def test_resaving_a_checkpoint_never_shows_the_old_marker_with_new_shards(denv):  # noqa: F811
+    denv.write_file("ck/s0", b"first save")
+    denv.write_file("ck/.metadata", b"save 1")
+    denv.drain()
+    seen, check = marker_checker(denv, "ck", {"s0": b"first save"})
+    denv.write_file("ck/s0", b"second save")  # the trainer saves again into the same directory
+    denv.write_file("ck/.metadata", b"save 2")
+    denv.drain(rec=recording(denv, check))
+    assert seen == []
+
+
+@pytest.mark.xfail(strict=True, reason="defect 5: `rm x; mkdir x; touch x/y` drops the tombstone of x")
+def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_bucket(denv):  # noqa: F811
+    denv.write_file("x", b"a file")
+    denv.drain()
+    denv.unlink("x")
+    denv.mkdir("x")
+    denv.write_file("x/y", b"")
+    denv.drain(timeout=10)  # (today: the drain never empties its queue)
+    assert sorted(denv.listing()) == ["x/y"]
+
+
+@pytest.mark.xfail(strict=True, reason="defect 1: a cache file shorter than fsmeta's size livelocks the drain")
+def test_a_cache_file_shorter_than_its_recorded_size_does_not_stop_the_drain(denv):  # noqa: F811
+    ino = denv.write_file("lost/tail", b"x" * 1000)
+    denv.write_file("other", b"still uploaded")
+    os.truncate(denv.cache / "data" / f"{ino:x}", 10)  # a power loss took the unsynced tail
+    denv.drain(timeout=10)
+    assert "other" in denv.listing()
+
+
+@pytest.mark.xfail(strict=True, reason="defect 10: a file unlinked while its upload runs leaves its cache file")
+def test_a_file_unlinked_while_it_uploads_leaves_no_cache_file(denv):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    rec = RecStore(None)
+
+    async def unlink_now(key, extra):
+        await trio.to_thread.run_sync(denv.unlink, "big")
+
+    rec.hooks["create_multipart"] = unlink_now
+    denv.drain(rec=rec)
+    denv.drain()
+    assert denv.open_uploads() == []
+    assert os.listdir(denv.cache / "data") == []
+
+
+@pytest.mark.xfail(strict=True, reason="defect 10: a multipart upload whose id was never recorded leaks once "
+                                        "its file is unlinked")
+def test_an_upload_started_before_a_drain_crash_does_not_outlive_its_unlinked_file(denv):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    rec = RecStore(None)
+
+    async def crash_before_the_id_is_recorded(key, extra, result):
+        raise Crash()
+
+    rec.after_hooks["create_multipart"] = crash_before_the_id_is_recorded
+    with pytest.raises(BaseException) as exc:
+        denv.drain(rec=rec)
+    assert exc.errisinstance((Crash, BaseExceptionGroup))
+    denv.unlink("big")
+    denv.drain()
+    assert denv.listing() == []
+    assert denv.open_uploads() == []
+
+
+@pytest.mark.xfail(strict=True, reason="found by the drain model (not on the known list): chmod/chown of a "
+                                        "directory does not requeue its marker, whose mode metadata stays old")
+def test_chmod_of_an_empty_directory_reaches_its_marker(denv):  # noqa: F811
+    denv.mkdir("d")
+    denv.drain()
+    denv.core.setattr(denv.ino("d"), SetattrRequest(mode=0o700))
+    denv.drain()
+    assert denv.head("d/").metadata["mode"] == str(0o40700)
+
+
+@pytest.mark.xfail(strict=True, reason="defect 5 (variant by rename): a key that turns from a file into a "
+                                        "directory keeps the file's object; the drain retries KeyConflict forever")
+def test_a_directory_renamed_over_a_moved_files_name_reaches_the_bucket(denv):  # noqa: F811
+    denv.write_file("a", b"file")
+    denv.write_file("d/b", b"in d")
+    denv.drain()
+    denv.rename("a", "c")
+    denv.rename("d", "a")
+    denv.drain(timeout=10)
+    assert sorted(denv.listing()) == ["a/b", "c"]
+
+
+@pytest.mark.xfail(strict=True, reason="found by the drain model (rename of a durable checkpoint): the old "
+                                        "shards are deleted while the old marker is still visible")
+def test_a_renamed_checkpoint_never_shows_its_old_marker_without_its_shards(denv):  # noqa: F811
+    denv.write_file("ck0/s0", b"shard")
+    denv.write_file("ck0/.metadata", b"meta")
+    denv.drain()
+    denv.rename("ck0", "ck1")
+    seen, check = marker_checker(denv, "ck0", {"s0": b"shard"})
+    denv.drain(rec=recording(denv, check))
+    assert seen == []
+    assert sorted(denv.listing()) == ["ck1/.metadata", "ck1/s0"]
+
+
+@pytest.mark.xfail(strict=True, reason="defect 10 (variant by rename): a multipart upload whose id was never "
+                                        "recorded leaks once its file's directory is renamed")
+def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
+    denv.write_file("ck0/big", b"z" * (6 * MiB))
+    rec = RecStore(None)
+
+    async def crash_before_the_id_is_recorded(key, extra, result):
+        raise Crash()
+
+    rec.after_hooks["create_multipart"] = crash_before_the_id_is_recorded
+    with pytest.raises(BaseException):
+        denv.drain(rec=rec)
+    denv.rename("ck0", "ck1")
+    denv.drain()
+    assert denv.listing() == ["ck1/big"]
+    assert denv.open_uploads() == []
+
+
+@pytest.mark.xfail(strict=True, reason="found by the drain model: an object PUT whose fsmeta commit a crash "
+                                        "interrupted stays in the bucket for ever once its directory is renamed")
+def test_an_object_written_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
+    denv.write_file("ck0/f", b"small")
+    rec = RecStore(None)
+
+    async def crash_before_the_commit(key, extra, result):
+        raise Crash()
+
+    rec.after_hooks["put_object"] = crash_before_the_commit
+    with pytest.raises(BaseException):
+        denv.drain(rec=rec)
+    assert denv.listing() == ["ck0/f"]  # the object landed; fsmeta does not know
+    denv.rename("ck0", "ck1")
+    denv.drain()
+    assert denv.listing() == ["ck1/f"]
