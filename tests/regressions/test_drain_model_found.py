@@ -56,7 +56,6 @@ def test_resaving_a_checkpoint_never_shows_the_old_marker_with_new_shards(denv):
     assert seen == []
 
 
-@pytest.mark.xfail(strict=True, reason="defect 5: `rm x; mkdir x; touch x/y` drops the tombstone of x")
 def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_bucket(denv):  # noqa: F811
     denv.write_file("x", b"a file")
     denv.drain()
@@ -67,7 +66,6 @@ def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_buc
     assert sorted(denv.listing()) == ["x/y"]
 
 
-@pytest.mark.xfail(strict=True, reason="defect 1: a cache file shorter than fsmeta's size livelocks the drain")
 def test_a_cache_file_shorter_than_its_recorded_size_does_not_stop_the_drain(denv):  # noqa: F811
     ino = denv.write_file("lost/tail", b"x" * 1000)
     denv.write_file("other", b"still uploaded")
@@ -120,8 +118,6 @@ def test_chmod_of_an_empty_directory_reaches_its_marker(denv):  # noqa: F811
     assert denv.head("d/").metadata["mode"] == str(0o40700)
 
 
-@pytest.mark.xfail(strict=True, reason="defect 5 (variant by rename): a key that turns from a file into a "
-                                        "directory keeps the file's object; the drain retries KeyConflict forever")
 def test_a_directory_renamed_over_a_moved_files_name_reaches_the_bucket(denv):  # noqa: F811
     denv.write_file("a", b"file")
     denv.write_file("d/b", b"in d")
