@@ -32,6 +32,7 @@ if str(REPO) not in sys.path:
 from ckptfs.fsmeta import MetaStore, ROOT_INO  # noqa: E402
 from ckptfs.fsmeta.check import fsmeta_problems as product_fsmeta_problems  # noqa: E402
 from ckptfs.gateway.core import Caller, FsCore  # noqa: E402
+from ckptfs.gateway.errors import FsError  # noqa: E402
 
 # -- FUSE availability ----------------------------------------------------------------------
 
@@ -501,6 +502,15 @@ def tree(root: Path) -> dict:
             else:
                 out[str(p.relative_to(root))] = p.read_bytes()
     return out
+
+
+def fs_errno(fn, *args) -> int | None:
+    """The errno of the FsError ``fn(*args)`` raises (None if it succeeds): the core's answer."""
+    try:
+        fn(*args)
+    except FsError as exc:
+        return exc.errno
+    return None
 
 
 def errno_of(fn, *args, **kwargs) -> int | None:

@@ -8,20 +8,11 @@ import threading
 
 import pytest
 
-from conftest import ROOT, ROOT_CALLER, fsmeta_problems
+from conftest import ROOT, ROOT_CALLER, fs_errno as err, fsmeta_problems
 from ckptfs.fsmeta import FileState
 from ckptfs.gateway.core import FsCore, SetattrRequest
-from ckptfs.gateway.errors import FsError
 
 GiB = 1 << 30
-
-
-def err(fn, *args) -> int | None:
-    try:
-        fn(*args)
-    except FsError as exc:
-        return exc.errno
-    return None
 
 
 def new_file(core: FsCore, name: bytes = b"f", flags: int = os.O_RDWR) -> tuple[int, int]:

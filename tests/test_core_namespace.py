@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from conftest import ROOT, ROOT_CALLER, CoreEnv, fsmeta_problems
+from conftest import CoreEnv, ROOT, ROOT_CALLER, fs_errno as err, fsmeta_problems
 from ckptfs.gateway.core import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
@@ -19,14 +19,6 @@ from ckptfs.gateway.core import (
 from ckptfs.gateway.errors import FsError
 
 USER = Caller(uid=1000, gid=1000, umask=0o022)
-
-
-def err(fn, *args) -> int | None:
-    try:
-        fn(*args)
-    except FsError as exc:
-        return exc.errno
-    return None
 
 
 def mkfile(core: FsCore, parent: int, name: bytes, data: bytes = b"", caller: Caller = ROOT_CALLER) -> int:

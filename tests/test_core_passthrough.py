@@ -52,6 +52,13 @@ def _kernel_write(core, ino, offset, data):
         os.close(fd)
 
 
+
+def written(core, data: bytes, flags: int) -> tuple[int, int]:
+    """Create ``f`` and write ``data`` as the kernel does in passthrough mode: (fh, ino)."""
+    fh, attr = core.create(ROOT, b"f", 0o644, flags, ROOT_CALLER)
+    _kernel_write(core, attr.ino, 0, data)
+    return fh, attr.ino
+
 def test_one_backing_id_per_inode_closed_with_the_last_handle(pt):
     core, ids = pt
     fh1, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
@@ -89,9 +96,7 @@ def test_open_for_writing_bumps_before_any_byte_can_change(pt):
 
 def test_size_and_mtime_come_from_the_cache_file(pt):
     core, _ = pt
-    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
-    ino = attr.ino
-    _kernel_write(core, ino, 0, b"x" * 5000)
+    fh, ino = written(core, b"x" * 5000, os.O_WRONLY)
     st = os.stat(core._data_path(ino))
     got = core.getattr(ino)
     assert got.size == 5000 and got.mtime_ns == st.st_mtime_ns  # getattr of an open file
@@ -110,9 +115,7 @@ def test_size_and_mtime_come_from_the_cache_file(pt):
 
 def test_truncate_and_utimes_of_an_open_file_reach_the_cache_file(pt):
     core, _ = pt
-    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
-    ino = attr.ino
-    _kernel_write(core, ino, 0, b"x" * 100)
+    fh, ino = written(core, b"x" * 100, os.O_RDWR)
     core.setattr(ino, SetattrRequest(size=10), fh)
     assert os.stat(core._data_path(ino)).st_size == 10 and core.getattr(ino).size == 10
     core.setattr(ino, SetattrRequest(mtime_ns=1_000_000_000, atime_ns=1_000_000_000), fh)
@@ -125,9 +128,7 @@ def test_truncate_and_utimes_of_an_open_file_reach_the_cache_file(pt):
 def test_first_open_reconciles_the_cache_file_with_fsmeta(core_env):
     core = core_env.core
     core.enable_passthrough(FakeIds().open, lambda bid: None)
-    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
-    ino = attr.ino
-    _kernel_write(core, ino, 0, b"x" * 100)
+    fh, ino = written(core, b"x" * 100, os.O_WRONLY)
     core.fsync(fh, False)
     path = core._data_path(ino)
     os.truncate(path, 40)  # e.g. a power cut lost the tail of data fsmeta's size covers
@@ -140,9 +141,7 @@ def test_first_open_reconciles_the_cache_file_with_fsmeta(core_env):
 
 def test_a_cache_file_changed_after_the_last_release_gets_a_new_generation(pt):
     core, ids = pt
-    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
-    ino = attr.ino
-    _kernel_write(core, ino, 0, b"x" * 100)
+    fh, ino = written(core, b"x" * 100, os.O_RDWR)
     core.release(fh)
     g0 = _inode(core, ino).generation
     assert core.sweep_mapped() == 0

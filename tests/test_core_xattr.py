@@ -5,17 +5,8 @@ from __future__ import annotations
 import errno
 import os
 
-from conftest import ROOT, ROOT_CALLER
+from conftest import ROOT, ROOT_CALLER, fs_errno as err
 from ckptfs.gateway.core import XATTR_CREATE, XATTR_REPLACE
-from ckptfs.gateway.errors import FsError
-
-
-def err(fn, *args) -> int | None:
-    try:
-        fn(*args)
-    except FsError as exc:
-        return exc.errno
-    return None
 
 
 def mk(core, name=b"f"):

@@ -32,6 +32,15 @@ def started(rec: RecStore, key: str) -> int:
 # -- item 2: a renamed directory holds back the markers above it ---------------------------
 
 
+
+async def run_for(drain, seconds: float) -> None:
+    """Run a drain for a while, then stop it (as a signal would)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: drain.run(stop=stop))
+        await trio.sleep(seconds)
+        stop.set()
+
 def test_pending_directory_below_a_marker_blocks_it():
     cands = [
         schedule.Candidate(2, "run/checkpoint-100", 1, 1, True, 0, False),
@@ -179,11 +188,7 @@ def test_a_file_that_keeps_changing_under_its_upload_is_retried_with_back_off(de
     async def run():
         async with denv.store() as inner:
             d = denv.make_drain(inner)
-            stop = trio.Event()
-            async with trio.open_nursery() as n:
-                n.start_soon(lambda: d.run(stop=stop))
-                await trio.sleep(2.0)
-                stop.set()
+            await run_for(d, 2.0)
 
     trio.run(run)
     # 0.5 s, 1 s, 2 s ... between attempts (without back-off: one every poll, ~100+)
@@ -270,11 +275,7 @@ def test_stale_uploads_are_swept_periodically(denv, monkeypatch):
                 sweeps.append(1)
 
             d._abort_stale_uploads = sweep
-            stop = trio.Event()
-            async with trio.open_nursery() as n:
-                n.start_soon(lambda: d.run(stop=stop))
-                await trio.sleep(0.6)
-                stop.set()
+            await run_for(d, 0.6)
 
     trio.run(run)
     assert len(sweeps) >= 3

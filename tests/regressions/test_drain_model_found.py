@@ -43,6 +43,21 @@ def recording(env, check) -> RecStore:
     return rec
 
 
+
+def drain_crashing_after(env, op: str) -> BaseException:
+    """Run the drain until its first ``op`` request has reached the store, then crash it there
+    (before fsmeta records the result). Returns what the crash raised."""
+    rec = RecStore(None)
+
+    async def crash(key, extra, result):
+        raise Crash()
+
+    rec.after_hooks[op] = crash
+    with pytest.raises(BaseException) as exc:
+        env.drain(rec=rec)
+    return exc.value
+
+
 @pytest.mark.xfail(strict=True, reason="defect 3: re-saving into a checkpoint dir leaves the old marker "
                                         "visible while shards change")
 def test_resaving_a_checkpoint_never_shows_the_old_marker_with_new_shards(denv):  # noqa: F811
@@ -93,15 +108,8 @@ def test_a_file_unlinked_while_it_uploads_leaves_no_cache_file(denv):  # noqa: F
                                         "its file is unlinked")
 def test_an_upload_started_before_a_drain_crash_does_not_outlive_its_unlinked_file(denv):  # noqa: F811
     denv.write_file("big", b"z" * (6 * MiB))
-    rec = RecStore(None)
-
-    async def crash_before_the_id_is_recorded(key, extra, result):
-        raise Crash()
-
-    rec.after_hooks["create_multipart"] = crash_before_the_id_is_recorded
-    with pytest.raises(BaseException) as exc:
-        denv.drain(rec=rec)
-    assert exc.errisinstance((Crash, BaseExceptionGroup))
+    exc = drain_crashing_after(denv, "create_multipart")
+    assert isinstance(exc, (Crash, BaseExceptionGroup))
     denv.unlink("big")
     denv.drain()
     assert denv.listing() == []
@@ -145,14 +153,7 @@ def test_a_renamed_checkpoint_never_shows_its_old_marker_without_its_shards(denv
                                         "recorded leaks once its file's directory is renamed")
 def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
     denv.write_file("ck0/big", b"z" * (6 * MiB))
-    rec = RecStore(None)
-
-    async def crash_before_the_id_is_recorded(key, extra, result):
-        raise Crash()
-
-    rec.after_hooks["create_multipart"] = crash_before_the_id_is_recorded
-    with pytest.raises(BaseException):
-        denv.drain(rec=rec)
+    drain_crashing_after(denv, "create_multipart")
     denv.rename("ck0", "ck1")
     denv.drain()
     assert denv.listing() == ["ck1/big"]
@@ -163,14 +164,7 @@ def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rename(denv):
                                         "interrupted stays in the bucket for ever once its directory is renamed")
 def test_an_object_written_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
     denv.write_file("ck0/f", b"small")
-    rec = RecStore(None)
-
-    async def crash_before_the_commit(key, extra, result):
-        raise Crash()
-
-    rec.after_hooks["put_object"] = crash_before_the_commit
-    with pytest.raises(BaseException):
-        denv.drain(rec=rec)
+    drain_crashing_after(denv, "put_object")
     assert denv.listing() == ["ck0/f"]  # the object landed; fsmeta does not know
     denv.rename("ck0", "ck1")
     denv.drain()
