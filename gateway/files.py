@@ -202,8 +202,8 @@ class OpenFiles:
         s = self._state
         with of.io_lock:
             with s.lock:
-                if s.backing is not None:
-                    datapath.refresh(of)  # writes went straight to the cache file
+                # Passthrough: writes went straight to the cache file, unseen.
+                moved = s.backing is not None and datapath.refresh(of)
                 if not of.attrs_dirty:
                     of.needs_bump = True
                     return
@@ -216,7 +216,12 @@ class OpenFiles:
                     return
                 inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime, ctime
                 if inode.nlink > 0:
-                    durability.mark_written(txn, of.ino, s.clock())
+                    if moved and inode.durable_generation == inode.generation:
+                        # The bucket got this generation (e.g. fsync=remote) while the handle
+                        # stayed open, and passthrough writes since then bumped nothing.
+                        durability.mark_dirty(txn, inode, s.clock())
+                    else:
+                        durability.mark_written(txn, of.ino, s.clock())
                 txn.put_inode(inode)
 
             try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import ROOT, ROOT_CALLER, fsmeta_problems
-from ckptfs.fsmeta import FileState
+
+from ckptfs.fsmeta import FileState, RemoteRecord, durability
 from ckptfs.gateway import datapath
 from ckptfs.gateway.core import SetattrRequest
 
@@ -161,3 +161,26 @@ def test_a_cache_file_changed_after_the_last_release_gets_a_new_generation(pt):
 def test_stat_id_includes_ctime():
     st = os.stat(__file__)
     assert datapath.stat_id(st) == (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def test_writes_after_the_bucket_got_the_file_bump_again_while_the_handle_stays_open(pt):
+    """fsync=remote can make a file durable while its writer keeps the handle: the next
+    passthrough writes must not be taken for the durable content (no new generation = no upload)."""
+    core, _ = pt
+    fh, ino = written(core, b"x" * 100, os.O_RDWR)
+    core.fsync(fh, False)
+
+    def the_drain_uploaded_it(txn):
+        inode = txn.get_inode(ino)
+        durability.mark_durable(txn, inode, inode.generation, RemoteRecord("f", 100, "h", inode.generation))
+        durability.mark_settled(txn, ino)
+
+    core.meta.write(the_drain_uploaded_it)
+    g0 = _inode(core, ino).generation
+    _kernel_write(core, ino, 100, b"tail")
+    core.fsync(fh, False)
+    inode = _inode(core, ino)
+    assert inode.generation > g0 and inode.size == 104
+    with core.meta.read() as txn:
+        assert txn.get_pending(ino).reason == durability.DATA
+    core.release(fh)
