@@ -31,6 +31,7 @@ from ckptfs.fsmeta import Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
 
 from . import datapath, recovery
+from .bucket import BucketClient
 from .errors import FsError
 from .files import Handle, OpenFiles
 from .lookups import LookupCounts
@@ -88,13 +89,14 @@ class SetattrRequest:
 
 
 class FsCore:
-    def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns):
+    def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns,
+                 bucket: BucketClient | None = None):
         self.cache_dir = cache_dir
         self.cache = CacheDir(cache_dir)
         self.data_dir = self.cache.data_dir
         self.cache.make_dirs()
         self.meta = meta
-        self._state = CoreState(self.cache, meta, clock)
+        self._state = CoreState(self.cache, meta, clock, bucket=bucket)
         self._open = self._state.open_files  # by inode; read by tests
         self._keys = BucketKeys(key_prefix.strip("/"))
         self._lookups = LookupCounts(self._state)

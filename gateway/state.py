@@ -19,6 +19,7 @@ from ckptfs.fsmeta.layout import CacheDir
 from .errors import FsError
 
 if TYPE_CHECKING:
+    from .bucket import BucketClient
     from .datapath import Backing
     from .files import Handle, OpenFile
 
@@ -41,6 +42,7 @@ class CoreState:
     # the file must also make its name in data/ durable.
     unsynced_cache_names: set[int] = field(default_factory=set)
     backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
+    bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
