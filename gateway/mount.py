@@ -30,6 +30,7 @@ from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 from . import datapath, metrics, passthrough
 from .bucket import BucketClient
 from .core import FsCore
+from .fetch import ReadSettings
 from .fuse_ops import CkptOperations
 from .supervisor import DrainSupervisor
 
@@ -231,7 +232,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     except Exception as exc:
         meta.close()
         return fail(f"bucket {settings.bucket_url}: cannot open it for reading: {exc}")
-    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket)
+    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket,
+                  read=ReadSettings.from_settings(settings))
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)
