@@ -43,19 +43,21 @@ def put_object(bucket_root: str, key: str, data: bytes, *, blake3_hex: str | Non
 
 
 def make_remote(meta: MetaStore, cache: CacheDir, bucket_root: str, name: bytes, data: bytes, *,
-                blake3_hex: str | None = None, record_blake3: bool = True) -> int:
-    """A file ``/name`` whose content is in the bucket only (state REMOTE, no cache file), as a
-    bucket listing or an eviction leaves it. Returns its inode number."""
-    key = name.decode()
+                blake3_hex: str | None = None, record_blake3: bool = True, parent: bytes = b"") -> int:
+    """A file ``parent/name`` (``parent``: an existing directory, "" for the root) whose
+    content is in the bucket only (state REMOTE, no cache file), as a bucket listing or an
+    eviction leaves it. Returns its inode number."""
+    key = (parent + b"/" + name if parent else name).decode()
     etag = put_object(bucket_root, key, data, blake3_hex=blake3_hex)
     digest = blake3.blake3(data).hexdigest() if blake3_hex is None else blake3_hex
 
     def add(txn):
+        dir_ino = txn.resolve(parent) if parent else ROOT_INO
         ino = txn.alloc_ino()
         inode = Inode(ino, 0o100644, 0, 0, nlink=1, size=len(data), mtime_ns=1, ctime_ns=1,
-                      generation=1, parent=ROOT_INO)
+                      generation=1, parent=dir_ino)
         txn.put_inode(inode)
-        txn.add_entry(ROOT_INO, name, ino)
+        txn.add_entry(dir_ino, name, ino)
         durability.mark_remote(txn, inode, RemoteRecord(key, len(data), digest if record_blake3 else "", 1, etag))
         return ino
 
