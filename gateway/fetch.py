@@ -47,7 +47,7 @@ from ckptfs.drain.upload import hash_file_sync
 from ckptfs.fsmeta import FileState, Inode, Txn, durability
 from ckptfs.fsmeta.settings import MIB, Settings
 
-from . import metrics
+from . import metrics, writeback
 from .errors import FsError
 
 if TYPE_CHECKING:
@@ -400,6 +400,10 @@ class Fetcher:
         if error is None and n != expected:
             error = PreconditionFailedError(f"GetObject {rf.key!r}: got {n} of {expected} bytes",
                                             code="IncompleteBody", op="GetObject", key=rf.key)
+        if error is None and rf.fd >= 0:
+            # Start the disk write now, so the fdatasync before the cached-clean commit finds
+            # little left to do (as the write path's write-behind does).
+            writeback.start_writeback(rf.fd, b0 * BLOCK, n)
         verify = False
         with rf.cond:
             rf.inflight -= 1
