@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ckptfs.drain.store import NotFoundError, PreconditionFailedError
+from ckptfs.drain.store import NotFoundError, PreconditionFailedError, StoreError
 from ckptfs.drain.upload import hash_file_sync
 from ckptfs.fsmeta import FileState, Inode, Txn, durability
 from ckptfs.fsmeta.settings import MIB, Settings
@@ -182,7 +182,10 @@ class Fetcher:
             raise FsError(errno.EIO, f"inode {inode.ino} is REMOTE without a bucket key")
         etag, blake3 = record.etag, record.blake3
         if not etag or not blake3:
-            info = self._bucket.head(record.key)
+            try:
+                info = self._bucket.head(record.key)
+            except StoreError as exc:
+                raise FsError(errno.EIO, f"{record.key}: HEAD failed: {exc}") from None
             if info is None:
                 raise FsError(errno.EIO, f"{record.key}: not in the bucket")
             if etag and info.etag != etag:
