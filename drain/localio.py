@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "Checksummer",
+    "PartDigest",
     "resolve_checksum_mode",
     "checksum_factory",
     "crc32c_available",
@@ -128,6 +129,37 @@ class Checksummer:
 
     def b64(self) -> str:
         return base64.b64encode(self.digest()).decode("ascii")
+
+
+class PartDigest:
+    """What an UploadPart request must carry in its headers, computed before its body
+    streams: the part checksum (base64) and, for signed payloads, the SHA-256 hex.
+
+    Fed by the uploader's one hashing pass over the file (the same chunks that feed the
+    whole-file BLAKE3), then :meth:`finish`-ed; the store streams the body afterwards."""
+
+    __slots__ = ("_ck", "_sha", "algorithm", "checksum", "payload_sha256")
+
+    def __init__(self, new_checksum=None, sign: bool = False):
+        self._ck = new_checksum() if new_checksum is not None else None
+        self._sha = hashlib.sha256() if sign else None
+        self.algorithm = self._ck.algorithm if self._ck is not None else None
+        self.checksum: str | None = None
+        self.payload_sha256: str | None = None
+
+    def update(self, data) -> None:
+        if self._ck is not None:
+            self._ck.update(data)
+        if self._sha is not None:
+            self._sha.update(data)
+
+    def finish(self) -> PartDigest:
+        if self._ck is not None:
+            self.checksum = self._ck.b64()
+        if self._sha is not None:
+            self.payload_sha256 = self._sha.hexdigest()
+        self._ck = self._sha = None
+        return self
 
 
 def resolve_checksum_mode(mode: str) -> str:

@@ -140,6 +140,67 @@ class _Body:
             yield mv[i : i + step]
 
 
+class _FileRangeBody:
+    """Request body streamed from a file range: each ``BODY_CHUNK`` is read (``preadv``, in
+    a worker thread) into one pooled buffer, checksummed and handed to httpx, which has
+    written it out (h11 copies it once while framing) before asking for the next.
+
+    Peak memory per part in flight is one chunk, not the part. ``verify``: the bytes
+    sent must have ``digest.checksum``; if not, the last chunk is withheld and
+    :class:`~ckptfs.drain.localio.SourceChangedError` raised (kept in ``error``), so
+    the server never gets a complete part that differs from what was hashed.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int, digest, pool, *, verify: bool = True):
+        self._fd, self._offset, self._length = fd, offset, length
+        self._digest, self._pool = digest, pool
+        self._verify = verify and digest is not None and digest.checksum is not None
+        self.payload_sha256 = (digest.payload_sha256 if digest is not None else None) or UNSIGNED_PAYLOAD
+        self.error: BaseException | None = None
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __bool__(self) -> bool:
+        return True
+
+    # botocore's file-like checks (it never reads the body: the signer takes payload_sha256)
+    def read(self, n: int = -1) -> bytes:
+        end = self._length if n is None or n < 0 else min(self._length, self._pos + n)
+        out = os.pread(self._fd, end - self._pos, self._offset + self._pos)
+        self._pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    async def __aiter__(self):
+        ck = localio.Checksummer(self._digest.algorithm) if self._verify else None
+        buf = self._pool.get(BODY_CHUNK)
+        try:
+            mv = memoryview(buf)[:BODY_CHUNK]
+            hashers = [ck] if ck is not None else []
+            for pos in range(0, self._length, BODY_CHUNK):
+                n = min(BODY_CHUNK, self._length - pos)
+                try:
+                    await trio.to_thread.run_sync(
+                        localio.read_range, self._fd, self._offset + pos, n, mv, hashers, BODY_CHUNK)
+                    if ck is not None and pos + n == self._length and ck.b64() != self._digest.checksum:
+                        raise localio.SourceChangedError(
+                            f"bytes {self._offset}..{self._offset + self._length} changed since they were hashed")
+                except Exception as e:
+                    self.error = e
+                    raise
+                yield mv[:n]
+        finally:
+            self._pool.put(buf)
+
+
 def _utc(d) -> _dt.datetime:
     if d is None:
         return _dt.datetime.fromtimestamp(0, _dt.timezone.utc)
@@ -239,6 +300,7 @@ class S3Store(ObjectStore):
         self._client_ctx = None
         self._open_lock = trio.Lock()
         self._pool = localio.BufferPool(max_idle=concurrency)
+        self._chunk_pool = localio.BufferPool(max_idle=2 * concurrency)
         self.region = region or "?"
 
     # ------------------------------------------------------------------
@@ -252,6 +314,7 @@ class S3Store(ObjectStore):
 
     def release_buffers(self) -> None:
         self._pool.clear()
+        self._chunk_pool.clear()
 
     async def open(self) -> None:
         async with self._open_lock:
@@ -417,6 +480,8 @@ class S3Store(ObjectStore):
         method = getattr(client, xform_name(op))
         try:
             return await method(**params)
+        except localio.SourceChangedError:
+            raise
         except Exception as e:  # noqa: BLE001 - translated
             raise self._translate(e, op, key) from e
 
@@ -605,28 +670,64 @@ class S3Store(ObjectStore):
         r = await self._call("CreateMultipartUpload", key, **params)
         return r["UploadId"]
 
-    async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
+    def new_part_digest(self) -> localio.PartDigest | None:
+        """The hashes an UploadPart's headers need (checksum, signed payload), for the
+        uploader's hashing pass; None if there are none."""
+        if self._new_checksum is None and not self.sign_payload:
+            return None
+        return localio.PartDigest(self._new_checksum, self.sign_payload)
+
+    async def upload_part(
+        self, key, upload_id, part_number, path, offset, length, *, digest: localio.PartDigest | None = None
+    ) -> PartRecord:
+        """Streams the file range (``BODY_CHUNK`` at a time, one read of each byte here).
+
+        ``digest``: the part's finished :class:`~ckptfs.drain.localio.PartDigest` from the
+        caller's hashing pass; without it the range is read once more first to compute it.
+        The body recomputes the checksum on the bytes it sends and fails the request before
+        its last byte if they differ from ``digest`` (the file changed since it was
+        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`."""
         if not 1 <= part_number <= self.limits.max_parts:
             raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         if length > self.limits.max_part_size:
             raise ValueError(f"part of {length} bytes exceeds {self.limits.max_part_size}")
         full = self._k(key)
-        buf, body, ck = await self._read_into_body(os.fspath(path), offset, length)
+        src = os.fspath(path)
+        fd = await trio.to_thread.run_sync(os.open, src, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            r = await self._call(
-                "UploadPart",
-                key,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=part_number,
-                Body=body,
-                **ck,
-            )
+            if digest is None:
+                digest = self.new_part_digest()
+                if digest is not None:
+                    await trio.to_thread.run_sync(self._digest_range, fd, offset, length, digest)
+            body = _FileRangeBody(fd, offset, length, digest, self._chunk_pool, verify=self.checksum_mode != "md5")
+            ck = {}
+            if digest is not None and digest.checksum is not None:
+                ck = {f"Checksum{self.checksum_algorithm}": digest.checksum} if self.checksum_algorithm else {
+                    "ContentMD5": digest.checksum}
+            try:
+                r = await self._call(
+                    "UploadPart", key, Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=part_number,
+                    Body=body, **ck,
+                )
+            except StoreError:
+                if body.error is not None:  # the body's own failure, whatever botocore made of it
+                    raise body.error from None
+                raise
         finally:
-            self._pool.put(buf)
+            await trio.to_thread.run_sync(os.close, fd)
         checksum = ck.get(f"Checksum{self.checksum_algorithm}") if self.checksum_algorithm else None
         return PartRecord(number=part_number, etag=normalize_etag(r.get("ETag")), size=length, checksum=checksum)
+
+    def _digest_range(self, fd: int, offset: int, length: int, digest: localio.PartDigest) -> None:
+        buf = self._chunk_pool.get(BODY_CHUNK)
+        try:
+            mv = memoryview(buf)[:BODY_CHUNK]
+            for pos in range(0, length, BODY_CHUNK):
+                n = min(BODY_CHUNK, length - pos)
+                localio.read_range(fd, offset + pos, n, mv, [digest])
+        finally:
+            self._chunk_pool.put(buf)
+        digest.finish()
 
     async def complete_multipart(self, key, upload_id, parts: Sequence[PartRecord]) -> PutResult:
         if not parts:

@@ -561,10 +561,18 @@ class ObjectStore(abc.ABC):
         path: str | os.PathLike,
         offset: int,
         length: int,
+        *,
+        digest=None,
     ) -> PartRecord:
         """Upload ``length`` bytes of the file at ``path`` starting at ``offset``
-        as part ``part_number`` (1..10000).  The file range is read once, off
-        the event loop; the checksum is computed from that same buffer."""
+        as part ``part_number`` (1..10000), read off the event loop.  ``digest``:
+        the part's finished :class:`~ckptfs.drain.localio.PartDigest` (from
+        :meth:`new_part_digest`, fed by the caller's hashing pass), so the part
+        streams from the file instead of being read once more to checksum it."""
+
+    def new_part_digest(self):
+        """A :class:`~ckptfs.drain.localio.PartDigest` for the hashes an
+        :meth:`upload_part` request needs before its body, or None: none."""
 
     @abc.abstractmethod
     async def complete_multipart(self, key: str, upload_id: str, parts: Sequence[PartRecord]) -> PutResult:
