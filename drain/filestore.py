@@ -487,6 +487,7 @@ class FileStore(ObjectStore):
         *,
         storage_class: str | None = None,
         content_type: str | None = None,
+        digest=None,  # no header to precompute: the copy hashes itself
     ) -> PutResult:
         meta = validate_metadata(metadata)
         final = self._key_path(key)

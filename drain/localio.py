@@ -136,11 +136,14 @@ class PartDigest:
     streams: the part checksum (base64) and, for signed payloads, the SHA-256 hex.
 
     Fed by the uploader's one hashing pass over the file (the same chunks that feed the
-    whole-file BLAKE3), then :meth:`finish`-ed; the store streams the body afterwards."""
+    whole-file BLAKE3), then :meth:`finish`-ed; the store streams the body afterwards and
+    checks ``checksum`` on the bytes it sends.  ``header=False``: the checksum is only
+    for that local check (the store sends none)."""
 
-    __slots__ = ("_ck", "_sha", "algorithm", "checksum", "payload_sha256")
+    __slots__ = ("_ck", "_sha", "algorithm", "checksum", "header", "payload_sha256")
 
-    def __init__(self, new_checksum=None, sign: bool = False):
+    def __init__(self, new_checksum=None, sign: bool = False, *, header: bool = True):
+        self.header = header
         self._ck = new_checksum() if new_checksum is not None else None
         self._sha = hashlib.sha256() if sign else None
         self.algorithm = self._ck.algorithm if self._ck is not None else None

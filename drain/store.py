@@ -535,9 +535,10 @@ class ObjectStore(abc.ABC):
         *,
         storage_class: str | None = None,
         content_type: str | None = None,
+        digest=None,
     ) -> PutResult:
         """Single PUT of ``data`` (bytes, or the whole content of the file at
-        a path) with the store's checksum.  Atomic: readers see the old or the
+        a path, with ``digest`` as for :meth:`upload_part`) with the store's checksum.  Atomic: readers see the old or the
         new object.  Size must be <= ``limits.max_put_size``; meant for small
         files (< part size)."""
 

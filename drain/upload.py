@@ -83,6 +83,9 @@ __all__ = [
 META_BLAKE3 = "blake3"
 DEFAULT_PART_SIZE = 64 * MiB
 HASH_CHUNK = 8 * MiB
+#: single PUTs up to this size are read into memory once (hashed and sent from there);
+#: bigger ones are hashed, then streamed from the file
+BUFFERED_PUT_MAX = 8 * MiB
 
 T = TypeVar("T")
 
@@ -488,8 +491,8 @@ async def upload_file(
 ) -> UploadResult:
     """Upload the local file ``path`` to ``key``.
 
-    * ``size <= options.part_size``: one PUT (file read once: hashed and sent
-      from the same buffer).
+    * ``size <= options.part_size``: one PUT (up to ``BUFFERED_PUT_MAX`` the file
+      is read once: hashed and sent from the same buffer; above, streamed as a part).
     * otherwise multipart with ``options.concurrency`` parts in flight (and, if
       given, ``options.part_limiter`` shared by all concurrent uploads).  The
       file's BLAKE3 is computed first (see module doc) and stored as user
@@ -528,30 +531,37 @@ async def upload_file(
     if journal.should_abort():
         raise UploadAborted(key)
 
-    # ---- small file: single PUT, one read --------------------------------
+    # ---- small file: single PUT ------------------------------------------------
     resume = _coerce_record(resume)
     if size <= options.part_size:
         if resume is not None:
             await _abort_quietly(store, resume.key, resume.upload_id)
-        buf, digest = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+        buf = None
         try:
+            if size > BUFFERED_PUT_MAX and store.new_part_digest() is not None:
+                # hashed, then streamed from the file like a part (memory stays bounded)
+                fdg = await digest_file(path, size, size, store)
+                digest, body, put_kw = fdg.blake3, path, {"digest": fdg.parts[0]}
+            else:  # read once: the same buffer is hashed and sent
+                buf, digest = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+                body, put_kw = memoryview(buf)[:size], {}
             if blake3_hex is not None and blake3_hex != digest:
                 raise localio.SourceChangedError(f"{path}: blake3 {digest} != expected {blake3_hex}")
             meta[META_BLAKE3] = digest
             st1 = await trio.to_thread.run_sync(os.stat, path)
             if _stat_id(st1) != _stat_id(st0):
                 raise localio.SourceChangedError(f"{path} changed while being read")
-            data = memoryview(buf)[:size]
             if not await journal.may_complete():
                 raise UploadAborted(f"upload of {key} cancelled by may_complete()")
             res = await retry(
                 lambda: store.put_object(
-                    key, data, meta, storage_class=options.storage_class, content_type=options.content_type
+                    key, body, meta, storage_class=options.storage_class, content_type=options.content_type, **put_kw
                 ),
                 f"PutObject {key}",
             )
         finally:
-            _put_buffers.put(buf)
+            if buf is not None:
+                _put_buffers.put(buf)
         return UploadResult(key, res.etag, size, digest, False, bytes_uploaded=size)
 
     # ---- multipart -----------------------------------------------------------

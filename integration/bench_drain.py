@@ -20,7 +20,7 @@ What it measures (radosgw on 127.0.0.1, started by the bench unless
      sides get the same total concurrency), ``TransferConfig`` with the same
      part size and concurrency as the drain, in a child process; CPU is the
      child's rusage delta around the upload (its start-up excluded), peak RSS
-     its ``ru_maxrss``. Client config as the harness uses for radosgw (path style,
+     its ``VmHWM``. Client config as the harness uses for radosgw (path style,
      ``when_required`` checksums; SigV4 signs payloads over http, i.e. SHA-256).
 
    radosgw's own CPU (rgw + OSD + mon + mgr, from /proc) is shown for each
@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -78,11 +77,6 @@ def proc_cpu(pids) -> float:
         except (OSError, ValueError, IndexError):
             pass
     return total
-
-
-def self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def server_pids(s3) -> list[int]:
@@ -134,30 +128,57 @@ def requeue_all(cache: Path, *, settle: float = 0.0, meta=None) -> int:
             meta.close()
 
 
-def run_child(cmd: list[str], env: dict | None = None) -> tuple[bytes, float, object]:
-    """Run ``cmd`` to its end: (stdout, wall seconds, rusage from ``os.wait4``: all its threads)."""
+def vm_hwm_mib(pid: int, cmd_tail: str | None = None) -> float:
+    """Peak RSS (VmHWM) of a live process, 0 if gone (or, with ``cmd_tail``, not yet exec'd)."""
+    try:
+        if cmd_tail is not None:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().rstrip(b"\0").endswith(cmd_tail.encode()):
+                    return 0.0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[bytes, float, object, float]:
+    """Run ``cmd`` to its end: (stdout, wall seconds, rusage from ``os.wait4`` (all its
+    threads), peak RSS MiB). The peak is VmHWM sampled every 20 ms, not ``ru_maxrss``:
+    a child exec'd from a vfork inherits the parent's high-water mark in that."""
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = [], []
     readers = [threading.Thread(target=lambda s=s, b=b: b.extend(s), daemon=True)
                for s, b in ((p.stdout, out), (p.stderr, err))]
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], vm_hwm_mib(p.pid, cmd[-1]))
+
+    readers.append(threading.Thread(target=sample, daemon=True))
     for r in readers:
         r.start()
     _, status, ru = os.wait4(p.pid, 0)
+    done.set()
     wall = time.monotonic() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     for r in readers:
         r.join(5)
     if p.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} exited {p.returncode}: {b''.join(err)[-3000:].decode(errors='replace')}")
-    return b"".join(out), wall, ru
+    return b"".join(out), wall, ru, peak[0]
 
 
 def run_drain(cache: Path, env: dict, rgw: list[int]) -> dict:
     rgw0 = proc_cpu(rgw)
-    _, wall, ru = run_child([sys.executable, "-m", "ckptfs", "drain", "--cache-dir", str(cache), "--until-empty"], env)
-    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "rgw_cpu": proc_cpu(rgw) - rgw0,
-            "maxrss_mib": ru.ru_maxrss / 1024}
+    _, wall, ru, peak = run_child(
+        [sys.executable, "-m", "ckptfs", "drain", "--cache-dir", str(cache), "--until-empty"], env)
+    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "rgw_cpu": proc_cpu(rgw) - rgw0, "maxrss_mib": peak}
 
 
 class SteadyDrain:
@@ -197,15 +218,7 @@ class SteadyDrain:
         if not self.wait_idle(900):
             raise RuntimeError("drain round did not finish in 900 s")
         return {"wall": time.monotonic() - t0, "cpu": proc_cpu([self.proc.pid]) - cpu0,
-                "rgw_cpu": proc_cpu(rgw) - rgw0, "maxrss_mib": self.peak_rss_mib()}
-
-    def peak_rss_mib(self) -> float:
-        """VmHWM of the drain child so far (/proc)."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
+                "rgw_cpu": proc_cpu(rgw) - rgw0, "maxrss_mib": vm_hwm_mib(self.proc.pid)}
 
     def stop(self) -> None:
         self.meta.close()
@@ -249,10 +262,10 @@ def run_boto3(s3, bucket: str, prefix: str, files: list[Path], part_size: int, c
     arg = {"part_size": part_size, "concurrency": concurrency, "config": config, "client": s3.client_kwargs(),
            "bucket": bucket, "prefix": prefix, "files": [str(f) for f in files]}
     rgw0 = proc_cpu(rgw)
-    out, _, ru = run_child([sys.executable, "-c", _BOTO3_CHILD, json.dumps(arg)])
+    out, _, _, peak = run_child([sys.executable, "-c", _BOTO3_CHILD, json.dumps(arg)])
     res = json.loads(out.decode().strip().splitlines()[-1])
     res["rgw_cpu"] = proc_cpu(rgw) - rgw0
-    res["maxrss_mib"] = ru.ru_maxrss / 1024
+    res["maxrss_mib"] = peak
     return res
 
 

@@ -106,3 +106,42 @@ def test_part_changed_since_it_was_hashed_never_reaches_the_server_complete(s3_u
             await st.abort_multipart("chg/x", upload_id)
 
     trio.run(main)
+
+
+class OverwritingStore:
+    """Delegates to a real store; rewrites part of the source just before the PUT is sent
+    (after upload_file's hashing pass and stat check)."""
+
+    def __init__(self, inner, src, offset: int):
+        self._inner, self._src, self._offset = inner, src, offset
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def put_object(self, key, data, metadata=None, **kw):
+        await trio.to_thread.run_sync(overwrite, self._src, self._offset, b"changed")
+        return await self._inner.put_object(key, data, metadata, **kw)
+
+
+def test_big_single_put_streams_and_refuses_content_changed_since_hashing(s3_url, tmp_path):
+    # Above BUFFERED_PUT_MAX a single PUT is hashed, then streamed from the file: the
+    # object must still be exactly what was hashed, or not be written at all.
+    ps = 16 * MiB
+    data = os.urandom(12 * MiB)
+    src = tmp_path / "opt.pt"
+    src.write_bytes(data)
+
+    async def main():
+        async with crc32c_store(s3_url, "p") as st:
+            res = await upload_file(st, "ckpt/opt.pt", src, {}, options=UploadOptions(part_size=ps))
+            assert not res.multipart
+            info = await st.head("ckpt/opt.pt")
+            assert info.metadata["blake3"] == blake3.blake3(data).hexdigest()
+            assert await st.get_range("ckpt/opt.pt", 0, 10**9) == data
+
+            with pytest.raises(localio.SourceChangedError):
+                await upload_file(OverwritingStore(st, src, 9 * MiB), "ckpt/opt2.pt", src, {},
+                                  options=UploadOptions(part_size=ps))
+            assert await st.head("ckpt/opt2.pt") is None
+
+    trio.run(main)
