@@ -34,6 +34,7 @@ __all__ = [
     "checksum_factory",
     "crc32c_available",
     "read_range",
+    "read_bytes",
     "BufferPool",
     "pwritev_all",
     "SourceChangedError",
@@ -296,6 +297,26 @@ def read_range(
     finally:
         if own:
             os.close(fd)
+
+
+def read_bytes(fd: int, offset: int, length: int, hashers: Sequence = ()) -> bytes:
+    """Read exactly ``length`` bytes of ``fd`` at ``offset`` into a new ``bytes`` (one
+    copy from the page cache) and feed them to every hasher.  Raises
+    :class:`SourceChangedError` on EOF before ``length`` bytes."""
+    data = os.pread(fd, length, offset)
+    if len(data) < length:  # a short read: finish it (rare), or the file ended
+        parts = [data]
+        got = len(data)
+        while got < length:
+            more = os.pread(fd, length - got, offset + got)
+            if not more:
+                raise SourceChangedError(f"file ended at {offset + got} while reading [{offset}, {offset + length})")
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    for h in hashers:
+        h.update(data)
+    return data
 
 
 def pwritev_all(fd: int, chunks: Sequence, offset: int) -> int:

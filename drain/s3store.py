@@ -144,20 +144,22 @@ class _Body:
 
 
 class _FileRangeBody:
-    """Request body streamed from a file range: each ``BODY_CHUNK`` is read (``preadv``, in
-    a worker thread) into one pooled buffer, checksummed and handed to httpx, which has
-    written it out (h11 copies it once while framing) before asking for the next.
+    """Request body streamed from a file range: each ``BODY_CHUNK`` is read (``pread``, in
+    a worker thread) into a fresh ``bytes``, checksummed and handed to httpx, which
+    writes it out before asking for the next. A ``bytes`` chunk, not a view of a reused
+    buffer: h11 joins each chunk into ``bytes`` before writing it, which copies anything
+    else, but hands a lone ``bytes`` on as it is (one copy per byte less).
 
-    Peak memory per part in flight is one chunk, not the part. The bytes sent must
+    Peak memory per part in flight is about one chunk, not the part. The bytes sent must
     have ``digest.checksum`` (even where the server would check it: after a change it
     would answer BadDigest to every retry); if not, the last chunk is withheld and
     :class:`~ckptfs.drain.localio.SourceChangedError` raised (kept in ``error``), so
     the server never gets a complete part that differs from what was hashed.
     """
 
-    def __init__(self, fd: int, offset: int, length: int, digest, pool):
+    def __init__(self, fd: int, offset: int, length: int, digest):
         self._fd, self._offset, self._length = fd, offset, length
-        self._digest, self._pool = digest, pool
+        self._digest = digest
         self._verify = digest.checksum is not None
         self.payload_sha256 = digest.payload_sha256 or UNSIGNED_PAYLOAD
         self.error: BaseException | None = None
@@ -185,24 +187,18 @@ class _FileRangeBody:
 
     async def __aiter__(self):
         ck = localio.Checksummer(self._digest.algorithm) if self._verify else None
-        buf = self._pool.get(BODY_CHUNK)
-        try:
-            mv = memoryview(buf)[:BODY_CHUNK]
-            hashers = [ck] if ck is not None else []
-            for pos in range(0, self._length, BODY_CHUNK):
-                n = min(BODY_CHUNK, self._length - pos)
-                try:
-                    await trio.to_thread.run_sync(
-                        localio.read_range, self._fd, self._offset + pos, n, mv, hashers, BODY_CHUNK)
-                    if ck is not None and pos + n == self._length and ck.b64() != self._digest.checksum:
-                        raise localio.SourceChangedError(
-                            f"bytes {self._offset}..{self._offset + self._length} changed since they were hashed")
-                except Exception as e:
-                    self.error = e
-                    raise
-                yield mv[:n]
-        finally:
-            self._pool.put(buf)
+        hashers = [ck] if ck is not None else []
+        for pos in range(0, self._length, BODY_CHUNK):
+            n = min(BODY_CHUNK, self._length - pos)
+            try:
+                chunk = await trio.to_thread.run_sync(localio.read_bytes, self._fd, self._offset + pos, n, hashers)
+                if ck is not None and pos + n == self._length and ck.b64() != self._digest.checksum:
+                    raise localio.SourceChangedError(
+                        f"bytes {self._offset}..{self._offset + self._length} changed since they were hashed")
+            except Exception as e:
+                self.error = e
+                raise
+            yield chunk
 
 
 def _utc(d) -> _dt.datetime:
@@ -617,7 +613,7 @@ class S3Store(ObjectStore):
                     await trio.to_thread.run_sync(self._digest_range, fd, 0, size, digest)
                 ck = self._checksum_params(digest)
                 r = await self._call_streaming(
-                    "PutObject", key, _FileRangeBody(fd, 0, size, digest, self._chunk_pool), **ck, **params)
+                    "PutObject", key, _FileRangeBody(fd, 0, size, digest), **ck, **params)
             finally:
                 await trio.to_thread.run_sync(os.close, fd)
         return PutResult(
@@ -681,7 +677,7 @@ class S3Store(ObjectStore):
                 await trio.to_thread.run_sync(self._digest_range, fd, offset, length, digest)
             ck = self._checksum_params(digest)
             r = await self._call_streaming(
-                "UploadPart", key, _FileRangeBody(fd, offset, length, digest, self._chunk_pool),
+                "UploadPart", key, _FileRangeBody(fd, offset, length, digest),
                 Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=part_number, **ck,
             )
         finally:

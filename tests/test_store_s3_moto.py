@@ -315,8 +315,9 @@ def test_check_access_errors(moto, servers):
 
 
 def test_concurrent_parts_share_pool(moto, tmp_path):
-    """Several part uploads in flight on one client; they stream through chunk-sized
-    buffers from the pool, never part-sized ones."""
+    """Several part uploads in flight on one client; without a digest from the caller
+    each reads its range once to checksum it, through chunk-sized pooled buffers
+    (never part-sized ones), then streams it."""
     data = os.urandom(4 * 5 * MiB)
     src = tmp_path / "f.bin"
     src.write_bytes(data)
