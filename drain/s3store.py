@@ -7,9 +7,9 @@ Data path for ``upload_part`` / ``put_object`` of a file (bounded memory):
    without one, from a read of the range here first): the header has to precede
    the body, and radosgw 16 rejects aws-chunked trailers;
 2. the body, :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time
-   (``preadv`` in a worker thread) into one pooled buffer, recomputes the
-   checksum on it and yields it to httpx; it withholds the last chunk if the
-   bytes differ from the digest (the file changed since it was hashed);
+   (``pread`` into ``bytes``, in a worker thread), recomputes the checksum on
+   it and yields it to httpx; it withholds the last chunk if the bytes differ
+   from the digest (the file changed since it was hashed);
 3. the request is signed by :class:`CkptfsS3SigV4Auth`, which takes the
    payload hash from the body (``UNSIGNED-PAYLOAD`` or the precomputed
    SHA-256 hex) instead of letting botocore hash the body on the event loop
