@@ -541,13 +541,13 @@ async def upload_file(
             if size > BUFFERED_PUT_MAX and store.new_part_digest() is not None:
                 # hashed, then streamed from the file like a part (memory stays bounded)
                 fdg = await digest_file(path, size, size, store)
-                digest, body, put_kw = fdg.blake3, path, {"digest": fdg.parts[0]}
+                hexd, body, put_kw = fdg.blake3, path, {"digest": fdg.parts[0]}
             else:  # read once: the same buffer is hashed and sent
-                buf, digest = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+                buf, hexd = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
                 body, put_kw = memoryview(buf)[:size], {}
-            if blake3_hex is not None and blake3_hex != digest:
-                raise localio.SourceChangedError(f"{path}: blake3 {digest} != expected {blake3_hex}")
-            meta[META_BLAKE3] = digest
+            if blake3_hex is not None and blake3_hex != hexd:
+                raise localio.SourceChangedError(f"{path}: blake3 {hexd} != expected {blake3_hex}")
+            meta[META_BLAKE3] = hexd
             st1 = await trio.to_thread.run_sync(os.stat, path)
             if _stat_id(st1) != _stat_id(st0):
                 raise localio.SourceChangedError(f"{path} changed while being read")
@@ -562,7 +562,7 @@ async def upload_file(
         finally:
             if buf is not None:
                 _put_buffers.put(buf)
-        return UploadResult(key, res.etag, size, digest, False, bytes_uploaded=size)
+        return UploadResult(key, res.etag, size, hexd, False, bytes_uploaded=size)
 
     # ---- multipart -----------------------------------------------------------
     part_size = upload_part_size(store, key, size, options, resume)
