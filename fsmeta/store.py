@@ -97,6 +97,8 @@ class _Committer(threading.Thread):
         """Wait until every write up to ``seq`` is committed; raise the commit's error."""
         with self.cond:
             while self.committed_seq < seq:
+                if self.error is not None:
+                    raise self.error
                 if self.stopping and not self.is_alive():
                     raise RuntimeError("fsmeta is closed")
                 self.commit_wanted = True
@@ -113,6 +115,16 @@ class _Committer(threading.Thread):
         self.join()
 
     def run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - writers must not wait for a dead thread
+            log.exception("fsmeta: the committer thread failed")
+            with self.cond:
+                self.error = self.error or OSError(errno.EIO, f"fsmeta: the committer thread failed: {exc}")
+                self.stopping = True
+                self.cond.notify_all()
+
+    def _serve(self) -> None:
         store = self.store
         while True:
             with self.cond:
@@ -158,7 +170,6 @@ class _Committer(threading.Thread):
             with self.cond:
                 self.committed_seq = seq
                 self.error = self.error or error
-                self.open_wanted = False
                 self.cond.notify_all()
 
 
