@@ -117,7 +117,7 @@ class _Committer(threading.Thread):
     def run(self) -> None:
         try:
             self._serve()
-        except BaseException as exc:  # noqa: BLE001 - writers must not wait for a dead thread
+        except BaseException as exc:  # writers must not wait for a dead thread
             log.exception("fsmeta: the committer thread failed")
             with self.cond:
                 self.error = self.error or OSError(errno.EIO, f"fsmeta: the committer thread failed: {exc}")
