@@ -19,11 +19,25 @@ Rules this module enforces (why, briefly):
 * Commits fsync the data pages but not the meta page (``metasync=False``):
   the database stays consistent after a power cut and may lose only the last
   transaction; :meth:`MetaStore.sync` forces that too, and fsync calls it.
+  ``sync=False`` (MDB_NOSYNC) is never used: the meta page could reach the disk
+  before the pages it points to, and a power cut would corrupt the database.
+* Deferred commits (:meth:`MetaStore.defer_commits`, the gateway): a synced commit
+  per operation costs an fdatasync, so every ``write`` of the process joins one
+  open LMDB write transaction (each ``fn`` in a nested transaction of its own, so
+  an ``fn`` that raises leaves nothing behind), which a committer thread commits
+  after ``interval`` seconds, or at once for :meth:`commit`/:meth:`sync`.
+  ``read`` sees that open transaction (read-your-writes). A crash loses the open
+  transaction as a whole: what survives is always a prefix of the writes, in the
+  order they were made. LMDB ties a write transaction to the thread that began it
+  (the writer mutex), so only the committer thread begins and commits the batch;
+  writers and readers use it in turn under ``_batch_lock``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import threading
 import time
@@ -35,10 +49,128 @@ from . import schema
 from .txn import Txn
 
 T = TypeVar("T")
+log = logging.getLogger("ckptfs.fsmeta")
 
 DEFAULT_MAP_SIZE = 1 << 30  # grows on demand; address space only, not disk
 MAX_MAP_SIZE = 1 << 40
 READER_CHECK_SECONDS = 30.0
+BATCH_IDLE_SECONDS = 0.002  # a batch with no write for this long is committed early
+
+
+class _Committer(threading.Thread):
+    """Begins and commits the deferred batch of a :class:`MetaStore` (one per process).
+
+    A batch opens when a writer asks for one and is committed ``interval`` seconds
+    later, or ``BATCH_IDLE_SECONDS`` after its last write, or at once when someone
+    waits for a commit. Between batches it holds no LMDB lock, so the drain's
+    transactions get the writer lock at least once per interval.
+    """
+
+    def __init__(self, store: MetaStore, interval: float):
+        super().__init__(name="fsmeta-committer", daemon=True)
+        self.store = store
+        self.interval = interval
+        self.cond = threading.Condition()
+        self.open_wanted = False
+        self.commit_wanted = False
+        self.stopping = False
+        self.committed_seq = 0  # store._write_seq at the last commit
+        self.error: BaseException | None = None  # of the last commit, for those waiting on it
+
+    def request_batch(self) -> None:
+        """Wait until a batch is open (it may already be committed again on return)."""
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            if self.store._batch is not None:
+                return
+            self.open_wanted = True
+            self.cond.notify_all()
+            while self.open_wanted and not self.stopping and self.error is None:
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+            if self.stopping:
+                raise RuntimeError("fsmeta is closed")
+
+    def wait_committed(self, seq: int) -> None:
+        """Wait until every write up to ``seq`` is committed; raise the commit's error."""
+        with self.cond:
+            while self.committed_seq < seq:
+                if self.error is not None:
+                    raise self.error
+                if self.stopping and not self.is_alive():
+                    raise RuntimeError("fsmeta is closed")
+                self.commit_wanted = True
+                self.cond.notify_all()
+                self.cond.wait()
+            if self.error is not None:
+                raise self.error
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.commit_wanted = True
+            self.cond.notify_all()
+        self.join()
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # writers must not wait for a dead thread
+            log.exception("fsmeta: the committer thread failed")
+            with self.cond:
+                self.error = self.error or OSError(errno.EIO, f"fsmeta: the committer thread failed: {exc}")
+                self.stopping = True
+                self.cond.notify_all()
+
+    def _serve(self) -> None:
+        store = self.store
+        while True:
+            with self.cond:
+                while not self.open_wanted and not self.stopping:
+                    self.cond.wait()
+                if not self.open_wanted:
+                    return
+            with store._txn(write=True) as raw:
+                opened = time.monotonic()
+                with store._batch_lock:
+                    store._batch = raw
+                    store._last_write = opened
+                with self.cond:
+                    self.open_wanted = False
+                    self.cond.notify_all()
+                    while not (self.commit_wanted or self.stopping):
+                        now = time.monotonic()
+                        due = min(opened + self.interval, store._last_write + BATCH_IDLE_SECONDS)
+                        if now >= due:
+                            break
+                        self.cond.wait(due - now)
+                    self.commit_wanted = False
+                with store._batch_lock:
+                    seq = store._write_seq
+                    hooks, store._after_commit = store._after_commit, []
+                    error = None
+                    try:
+                        raw.commit()
+                    except lmdb.Error as exc:  # the writes of this batch are lost
+                        error = OSError(errno.EIO, f"fsmeta: a deferred commit failed: {exc}")
+                    store._batch = None
+            if error is not None:
+                # Later writes would build on a state that no longer exists: refuse them
+                # (EIO) until a restart recovers from what was committed.
+                log.error("%s; its writes are lost, fsmeta refuses writes until restarted", error)
+            else:
+                store._grow_if_nearly_full()
+            for hook in hooks if error is None else ():
+                try:
+                    hook()
+                except Exception:
+                    log.exception("fsmeta: an after-commit action failed")
+            with self.cond:
+                self.committed_seq = seq
+                self.error = self.error or error
+                self.cond.notify_all()
 
 
 class _TxnGate:
@@ -112,6 +244,14 @@ class MetaStore:
             lock=True,
         )
         self._gate = _TxnGate()
+        # Deferred commits (defer_commits): the open batch and who uses it.
+        self._committer: _Committer | None = None
+        self._batch: lmdb.Transaction | None = None
+        self._batch_lock = threading.RLock()
+        self._batch_depth = threading.local()  # this thread's turns of _batch_lock
+        self._write_seq = 0  # writes made into batches so far
+        self._last_write = 0.0
+        self._after_commit: list[Callable[[], None]] = []
         self.env.reader_check()
         self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
         self.dbs = {}
@@ -157,26 +297,115 @@ class MetaStore:
             self.env.set_mapsize(size)
 
     @contextlib.contextmanager
+    def _batch_turn(self) -> Iterator[lmdb.Transaction | None]:
+        """The open batch with ``_batch_lock`` held; None (and no lock) if none is open."""
+        self._batch_lock.acquire()
+        batch = self._batch
+        if batch is None:
+            self._batch_lock.release()
+            yield None
+            return
+        self._batch_depth.n = getattr(self._batch_depth, "n", 0) + 1
+        try:
+            yield batch
+        finally:
+            self._batch_depth.n -= 1
+            self._batch_lock.release()
+
+    @contextlib.contextmanager
     def read(self) -> Iterator[Txn]:
+        """A read transaction; with deferred commits it includes the writes not committed yet."""
+        if self._committer is not None:
+            with self._batch_turn() as batch:
+                if batch is not None:
+                    yield Txn(batch, self.dbs, write=False)
+            if batch is not None:
+                return
+        with self._txn(write=False) as raw:
+            yield Txn(raw, self.dbs, write=False)
+
+    @contextlib.contextmanager
+    def read_committed(self) -> Iterator[Txn]:
+        """A read transaction of what other processes (the drain) can see: committed writes."""
         with self._txn(write=False) as raw:
             yield Txn(raw, self.dbs, write=False)
 
     def write(self, fn: Callable[[Txn], T]) -> T:
         """Run ``fn`` in one write transaction and commit it; grow the map if full.
 
-        ``fn`` may raise to abort; it may be run more than once.
+        ``fn`` may raise to abort; it may be run more than once. With deferred commits,
+        ``fn`` runs in a nested transaction of the open batch, and the commit happens
+        later (see the module docstring).
         """
         if time.monotonic() >= self._next_reader_check:
             self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
             self.env.reader_check()
         while True:
             try:
+                if self._committer is not None:
+                    return self._write_deferred(fn)
                 with self._txn(write=True) as raw:
                     result = fn(Txn(raw, self.dbs, write=True))
                     raw.commit()
                     return result
             except lmdb.MapFullError:
+                self.commit()  # no transaction may be live while the map grows
                 self._grow()
+
+    def _write_deferred(self, fn: Callable[[Txn], T]) -> T:
+        while True:
+            with self._batch_turn() as batch:
+                if batch is not None:
+                    child = self.env.begin(write=True, parent=batch)
+                    try:
+                        result = fn(Txn(child, self.dbs, write=True))
+                        child.commit()
+                    finally:
+                        child.abort()  # a no-op after commit
+                    self._write_seq += 1
+                    self._last_write = time.monotonic()
+                    return result
+            self._committer.request_batch()
+
+    # -- deferred commits --------------------------------------------------------------
+
+    def defer_commits(self, interval: float) -> None:
+        """From now on, commit writes in batches at most ``interval`` seconds apart (the
+        gateway). :meth:`commit` and :meth:`sync` force one; :meth:`close` commits."""
+        if self._committer is None:
+            self._committer = _Committer(self, interval)
+            self._committer.start()
+
+    @property
+    def deferring(self) -> bool:
+        return self._committer is not None
+
+    def commit(self) -> None:
+        """Make every write made so far visible to other processes (committed, not synced)."""
+        if self._committer is None:
+            return
+        if getattr(self._batch_depth, "n", 0):
+            raise RuntimeError("fsmeta: commit() from inside a transaction would wait for itself")
+        with self._batch_lock:
+            seq = self._write_seq
+        self._committer.wait_committed(seq)
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (which must not use fsmeta) once every write made so far is
+        committed: e.g. removing the cache file of an inode whose removal is in the batch."""
+        with self._batch_lock:
+            if self._batch is not None:
+                self._after_commit.append(action)
+                return
+        action()
+
+    def _grow_if_nearly_full(self) -> None:
+        """Grow the map between batches, before a batch's commit could find it full (a
+        full map at the commit of a batch would lose all its writes)."""
+        info = self.env.info()
+        used = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        if used * 4 >= info["map_size"] * 3:
+            self._grow()
 
     def _grow(self) -> None:
         size = self.env.info()["map_size"]
@@ -185,10 +414,15 @@ class MetaStore:
         self._remap(min(size * 2, MAX_MAP_SIZE))
 
     def sync(self) -> None:
-        """Make every committed transaction durable on the device."""
+        """Make every write made so far durable on the device."""
+        self.commit()
         self.env.sync(True)
 
     def close(self) -> None:
+        if self._committer is not None:
+            self.commit()
+            self._committer.stop()
+            self._committer = None
         self.env.close()
 
     # -- settings ------------------------------------------------------------------

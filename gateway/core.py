@@ -269,6 +269,7 @@ class FsCore:
             lock = of.io_lock if of is not None else threading.Lock()
             with lock:
                 inode = self.meta.write(apply)
+                self._state.publish_before_bytes_change(ino)
                 self._files.truncate_data(ino, req.size)
                 with self._state.lock:
                     of = self._open.get(ino)

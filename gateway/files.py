@@ -192,6 +192,7 @@ class OpenFiles:
             txn.put_inode(inode)
 
         self._state.meta.write(bump)
+        self._state.publish_before_bytes_change(of.ino)
         of.needs_bump = False
 
     def write(self, fh: int, offset: int, data) -> int:

@@ -55,4 +55,4 @@ class LookupCounts:
             return True
 
         if s.meta.write(purge):
-            s.remove_data(ino)
+            s.remove_data_after_commit(ino)

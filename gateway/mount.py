@@ -34,6 +34,10 @@ from .fetch import ReadSettings
 from .fuse_ops import CkptOperations
 from .supervisor import DrainSupervisor
 
+# Longest time an acknowledged namespace change waits before other processes (the drain)
+# see it; also what a gateway crash can lose of operations not covered by an fsync.
+COMMIT_INTERVAL_SECONDS = 0.01
+
 log = logging.getLogger("ckptfs.mount")
 
 class NotOnMount(Exception):
@@ -237,6 +241,9 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)
+    # Namespace operations join a batch committed every few milliseconds instead of one
+    # synced commit each; fsync/fsyncdir commit and sync at once (docs/DESIGN.md).
+    meta.defer_commits(COMMIT_INTERVAL_SECONDS)
     supervisor = DrainSupervisor(settings)
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
     if data_path == "passthrough":

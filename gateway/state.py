@@ -94,6 +94,22 @@ class CoreState:
         finally:
             os.close(dir_fd)
 
+    def publish_before_bytes_change(self, ino: int) -> None:
+        """Commit now if the drain can see the inode: a generation bump (in the batch of
+        deferred commits) must reach the drain before the bytes change. An inode created
+        in the batch needs nothing: the drain sees it only together with the bump."""
+        if not self.meta.deferring:
+            return
+        with self.meta.read_committed() as txn:
+            visible = txn.get_inode(ino) is not None
+        if visible:
+            self.meta.commit()
+
+    def remove_data_after_commit(self, ino: int) -> None:
+        """Remove the cache file once the removal of its inode is committed: a crash before
+        that commit brings the inode back, and it must come back with its bytes."""
+        self.meta.after_commit(lambda: self.remove_data(ino))
+
     def remove_data(self, ino: int) -> None:
         if self.fetcher is not None:
             self.fetcher.discard(ino)

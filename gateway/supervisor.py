@@ -76,7 +76,9 @@ class DrainSupervisor:
                 return durability.remote_fsync_state(txn, ino)
 
             if first:
-                return meta.write(mark)
+                state = meta.write(mark)
+                meta.commit()  # the drain must see the request now
+                return state
             with meta.read() as txn:
                 return durability.remote_fsync_state(txn, ino)
 

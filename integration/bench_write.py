@@ -18,6 +18,11 @@ Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``ren
 * ``torch``: a real ``torch.save`` of a state dict with the same layout into
   ``x.tmp`` + fsync + rename (``--torch``, when torch is importable; its time
   includes torch's own serialisation work).
+* ``meta``: namespace operations, in their own section with the drain running as
+  in use (default settle window): ``--meta-files`` (2,000) files of 1 KiB are
+  created + written + closed, then each is renamed, then each is unlinked; the
+  report gives operations per second of each phase (no fsync: POSIX makes a
+  namespace change durable only at fsync of the file or its directory).
 
 Runs alternate (plain, passthrough, writeback, plain, ...) for ``--rounds`` rounds so
 a noisy virtual disk hits every side alike; the report gives medians, the spread
@@ -173,6 +178,72 @@ def write_checkpoint(directory: str, total: int, buf: memoryview, name: str = "m
         os.close(fd)
     os.rename(tmp, final)
     return time.perf_counter() - start
+
+
+META_PHASES = ("create", "rename", "unlink")
+
+
+def namespace_ops(directory: str, files: int, size: int = 1024) -> dict[str, float]:
+    """``files`` x ``size`` bytes: create+write+close each, rename each, unlink each.
+
+    Returns operations per second of each phase.
+    """
+    data = os.urandom(size)
+    work = os.path.join(directory, "meta")
+    os.makedirs(work, exist_ok=True)
+    names = [os.path.join(work, f"f{i:06d}") for i in range(files)]
+    rates = {}
+    start = time.perf_counter()
+    for name in names:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    rates["create"] = files / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for name in names:
+        os.rename(name, name + ".r")
+    rates["rename"] = files / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for name in names:
+        os.unlink(name + ".r")
+    rates["unlink"] = files / (time.perf_counter() - start)
+    os.rmdir(work)
+    return rates
+
+
+def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int) -> dict:
+    """The ``meta`` section: plain directory and each data path, alternating, drain live."""
+    plain = os.path.join(workdir, "meta-plain")
+    os.makedirs(plain, exist_ok=True)
+    mounts = {m: Mount(os.path.join(workdir, f"meta-{m}"), settle_seconds=None, extra_args=["--data-path", m])
+              for m in modes}
+    sides = ["plain", *modes]
+    results: dict[str, dict[str, list[float]]] = {side: {p: [] for p in META_PHASES} for side in sides}
+    try:
+        for m in modes:
+            mounts[m].start()
+        print(f"namespace operations: {files} files of 1 KiB, create+write+close / rename / unlink,"
+              f" drain running (default settle), {rounds} rounds alternating {', '.join(sides)}")
+        print(f"  load average at start: {_loadavg()}")
+        for rnd in range(rounds):
+            for side in sides:
+                os.sync()
+                rates = namespace_ops(plain if side == "plain" else mounts[side].mnt, files)
+                for phase in META_PHASES:
+                    results[side][phase].append(rates[phase])
+            print(f"  round {rnd + 1}: " + "  ".join(
+                f"{side} " + "/".join(f"{results[side][p][-1]:.0f}" for p in META_PHASES) for side in sides),
+                flush=True)
+        print(f"  load average at end: {_loadavg()}")
+        print(f"{'side':<12} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
+        for side in sides:
+            print(f"{side:<12} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
+    finally:
+        for m in mounts.values():
+            m.stop()
+    return results
 
 
 def torch_available() -> bool:
@@ -413,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-gib", type=float, default=1.0, help="torch-like checkpoint size (default 1)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating plain/mount rounds (default 5)")
     ap.add_argument("--rss-sizes", default="1,8", help="GiB sizes for the RSS check, '' to skip (default 1,8)")
-    ap.add_argument("--workloads", default="seq,ckpt,torch",
-                    help="comma list of seq,ckpt,torch (default all three; torch only if importable)")
+    ap.add_argument("--workloads", default="seq,ckpt,torch,meta",
+                    help="comma list of seq,ckpt,torch,meta (default all four; torch only if importable)")
+    ap.add_argument("--meta-files", type=int, default=2000, help="files of the meta workload (default 2000)")
     ap.add_argument("--mounts", default="passthrough,writeback",
                     help="data paths to mount side by side (default passthrough,writeback)")
     ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
@@ -426,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     workloads = [w for w in args.workloads.split(",") if w]
+    run_meta = "meta" in workloads
+    workloads = [w for w in workloads if w != "meta"]
     if args.torch and "torch" not in workloads:
         workloads.append("torch")
     if "torch" in workloads and not torch_available():
@@ -448,7 +522,16 @@ def main(argv: list[str] | None = None) -> int:
     # gateway (+drain) CPU s per GiB, by workload and data path
     cpu: dict[str, dict[str, list[float]]] = {w: {m: [] for m in modes} for w in workloads}
     dropped = False
+    meta_results = None
     try:
+        if run_meta:
+            meta_results = run_namespace_bench(workdir, modes, args.meta_files, args.rounds)
+            print()
+        if not workloads and not args.rss_sizes:
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"namespace_ops": meta_results, "load_end": _loadavg()}, fh, indent=1)
+            return 0
         for m in modes:
             os.makedirs(mounts[m].workdir, exist_ok=True)
             mounts[m].start()
@@ -517,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
                       + f"; node Dirty+Writeback peak {r['dirty_mib']:.0f} MiB", flush=True)
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"results": results, "cpu_s_per_gib": cpu, "rss": rss_results,
+                json.dump({"results": results, "cpu_s_per_gib": cpu, "rss": rss_results, "namespace_ops": meta_results,
                            "sizes": sizes, "load_end": _loadavg()}, fh, indent=1)
     finally:
         with contextlib.suppress(Exception):

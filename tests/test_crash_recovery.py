@@ -166,11 +166,13 @@ def test_crash_during_saves_leaves_no_torn_namespace(gateway):
 
     gateway.start()
     names = set(os.listdir(m))
-    # Every rename that returned is there, and none is half-applied.
-    for i in range(done + 1):
+    # Every rename that an fsync followed is there (step i+1 fsyncs its shards, which syncs
+    # fsmeta), and none is half-applied. Step `done` and the one in flight may be lost,
+    # each only from some point on (the namespace is a prefix of the operations).
+    for i in range(done):
         assert f"ckpt_{i}.tmp" not in names
         assert f"step_{i}.tmp" not in names
-        if i != done - 3:  # the step in flight may already have unlinked ckpt_{done-3}
+        if i not in (done - 4, done - 3):  # unlinked by steps `done` and `done + 1`, or not
             assert (f"ckpt_{i}" in names) == (i > done - 4), i
         assert sorted(os.listdir(m / f"step_{i}")) == ["shard0", "shard1", "shard2"]
         for k in range(3):  # fsynced before the rename
@@ -179,10 +181,13 @@ def test_crash_during_saves_leaves_no_torn_namespace(gateway):
             # Fsynced (even i) or only closed (odd i): a gateway crash keeps what close() had
             # handed to the cache file (the kernel's page cache survives; a power cut might not).
             assert (m / f"ckpt_{i}").read_bytes() == expected_data(i)
-    # The step in flight at the crash: one name or the other, never both.
-    i = done + 1
-    assert not (f"ckpt_{i}.tmp" in names and f"ckpt_{i}" in names)
-    assert not (f"step_{i}.tmp" in names and f"step_{i}" in names)
+    # The steps that an fsync may not cover: one name or the other, never both, and a later
+    # operation of the step only with the earlier ones.
+    for i in (done, done + 1):
+        assert not (f"ckpt_{i}.tmp" in names and f"ckpt_{i}" in names)
+        assert not (f"step_{i}.tmp" in names and f"step_{i}" in names)
+        if f"step_{i}" in names:
+            assert f"ckpt_{i}" in names and sorted(os.listdir(m / f"step_{i}")) == ["shard0", "shard1", "shard2"]
     for n in names - {"A", "B"}:
         assert n.split(".")[0].rsplit("_", 1)[1].isdigit() and int(n.split(".")[0].rsplit("_", 1)[1]) <= done + 1
     # Un-fsynced data may be lost, but what a file shows is within its recorded size.
@@ -196,6 +201,51 @@ def test_crash_during_saves_leaves_no_torn_namespace(gateway):
     assert check_cache_dir(gateway.cache) == []
 
 
+CREATOR = r'''
+import os, sys
+root = sys.argv[1]
+i = 0
+while True:
+    fd = os.open(os.path.join(root, "f%06d" % i), os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"%d\n" % i * 100)
+    os.close(fd)
+    if i % 100 == 99:
+        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(dfd)
+        os.close(dfd)
+        print("synced", i, flush=True)
+    i += 1
+'''
+
+
+def test_unsynced_operations_lost_in_a_crash_are_a_prefix_and_fsynced_ones_survive(gateway):
+    """Namespace changes are committed in batches and made durable by fsync/fsyncdir: a kill -9
+    may lose the latest creates that no fsync covered, but what survives is the files up to
+    some point, each (but maybe the last) with its bytes, and all that the last fsyncdir covered."""
+    m = gateway.mnt
+    (m / "d").mkdir()
+    creator = subprocess.Popen([sys.executable, "-c", CREATOR, str(m / "d")], stdout=subprocess.PIPE, text=True)
+    synced = -1
+    try:
+        while synced < 499:
+            line = creator.stdout.readline()
+            assert line, "the creator died"
+            synced = int(line.split()[1])
+        gateway.kill9()
+    finally:
+        creator.kill()
+        creator.wait(30)
+    gateway.start()
+    found = sorted(int(n[1:]) for n in os.listdir(m / "d"))
+    assert found == list(range(len(found))), "a file survived without one created before it"
+    assert len(found) > synced
+    for i in found[:-1]:  # closed before the next create, which survived
+        assert (m / "d" / f"f{i:06d}").read_bytes() == b"%d\n" % i * 100
+    assert (m / "d" / f"f{found[-1]:06d}").read_bytes() in (b"", b"%d\n" % found[-1] * 100)
+    gateway.stop()
+    assert check_cache_dir(gateway.cache) == []
+
+
 def test_unlinked_open_file_is_purged_after_a_crash(gateway):
     m = gateway.mnt
     fd = os.open(m / "scratch", os.O_CREAT | os.O_RDWR, 0o644)
@@ -204,6 +254,9 @@ def test_unlinked_open_file_is_purged_after_a_crash(gateway):
     ino = os.fstat(fd).st_ino
     os.unlink(m / "scratch")
     (m / "keep").write_bytes(b"kept")
+    dfd = os.open(m, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)  # the unlink and the create are durable from here (before, a crash may lose them)
+    os.close(dfd)
     data_file = gateway.cache / "data" / f"{ino:x}"
     assert data_file.exists()
     crash_and_remount(gateway)

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from ckptfs.fsmeta import MetaStore
 from ckptfs.fsmeta import store as store_module
 
@@ -102,3 +104,142 @@ def test_many_threads_reading_while_the_map_grows_see_every_committed_value(tmp_
     with store.read() as txn:
         assert int(txn.raw.get(b"counter", db=txn.dbs["meta"])) == 23
     store.close()
+
+
+# -- deferred commits (the gateway) -------------------------------------------------------------
+
+
+def get(store: MetaStore, key: bytes, committed: bool = False) -> bytes | None:
+    with (store.read_committed() if committed else store.read()) as txn:
+        value = txn.raw.get(key, db=txn.dbs["meta"])
+        return bytes(value) if value is not None else None
+
+
+def put(store: MetaStore, key: bytes, value: bytes) -> None:
+    store.write(lambda txn: txn.raw.put(key, value, db=txn.dbs["meta"]))
+
+
+def read_in_other_process(path: str, key: bytes) -> bytes | None:
+    out = subprocess.run([sys.executable, "-c", (
+        "import lmdb, sys\n"
+        f"env = lmdb.open({path!r}, max_dbs=16, readonly=True, lock=True)\n"
+        "db = env.open_db(b'meta')\n"
+        f"v = env.begin(db=db).get({key!r})\n"
+        "print(v.decode() if v is not None else 'NONE')\n")], capture_output=True, text=True, check=True)
+    value = out.stdout.strip()
+    return None if value == "NONE" else value.encode()
+
+
+@pytest.fixture
+def store_committing_on_demand(tmp_path, monkeypatch):
+    """A store with deferred commits that commits only when asked (commit/sync/close)."""
+    monkeypatch.setattr(store_module, "BATCH_IDLE_SECONDS", 3600.0)
+    store = MetaStore(str(tmp_path / "meta"))
+    store.defer_commits(3600.0)
+    yield store
+    store.close()
+
+
+def test_deferred_writes_are_read_back_at_once_and_reach_other_processes_at_commit(store_committing_on_demand):
+    store = store_committing_on_demand
+    put(store, b"k", b"1")
+    assert get(store, b"k") == b"1"  # this process reads its own writes
+    assert get(store, b"k", committed=True) is None
+    assert read_in_other_process(store.path, b"k") is None  # the drain does not see it yet
+    store.commit()
+    assert read_in_other_process(store.path, b"k") == b"1"
+
+
+def test_deferred_batch_commits_by_itself_within_the_interval(tmp_path):
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        store.defer_commits(0.01)
+        put(store, b"k", b"1")
+        deadline = time.monotonic() + 10
+        while get(store, b"k", committed=True) is None:
+            assert time.monotonic() < deadline, "the batch was never committed"
+            time.sleep(0.005)
+    finally:
+        store.close()
+
+
+def test_a_deferred_write_that_raises_leaves_nothing_behind(store_committing_on_demand):
+    store = store_committing_on_demand
+    put(store, b"before", b"1")
+
+    def half_done(txn) -> None:
+        txn.raw.put(b"half", b"1", db=txn.dbs["meta"])
+        raise ValueError("abort")
+
+    with pytest.raises(ValueError):
+        store.write(half_done)
+    put(store, b"after", b"1")
+    store.commit()
+    assert get(store, b"half", committed=True) is None
+    assert get(store, b"before", committed=True) == get(store, b"after", committed=True) == b"1"
+
+
+def test_after_commit_actions_run_once_the_writes_before_them_are_committed(store_committing_on_demand):
+    store = store_committing_on_demand
+    put(store, b"gone", b"1")
+    seen = []
+    store.after_commit(lambda: seen.append(read_in_other_process(store.path, b"gone")))
+    assert seen == []
+    store.commit()
+    assert seen == [b"1"]
+
+
+def test_deferred_writes_grow_the_map(tmp_path):
+    store = MetaStore(str(tmp_path / "meta"), map_size=1 << 20)
+    try:
+        store.defer_commits(0.01)
+        for i in range(12):
+            put_blob(store, f"blob{i}".encode(), 512 << 10)
+        store.sync()
+        assert store.env.info()["map_size"] > 1 << 20
+        assert len(get(store, b"blob11", committed=True)) == 512 << 10
+    finally:
+        store.close()
+
+
+WRITER = r'''
+import sys, time
+from ckptfs.fsmeta import MetaStore
+store = MetaStore(sys.argv[1])
+store.defer_commits(0.01)
+i = 0
+while True:
+    store.write(lambda txn, i=i: txn.raw.put(b"w%08d" % i, b"%d" % i, db=txn.dbs["meta"]))
+    if i % 200 == 0:
+        store.sync()
+        print("synced", i, flush=True)
+    i += 1
+'''
+
+
+def test_a_crash_keeps_a_prefix_of_the_deferred_writes_and_every_synced_one(tmp_path):
+    """kill -9 in the middle of deferred writes: what survives is the first n writes for some
+    n (never a later write without an earlier one), every write before the last sync included,
+    and the database opens clean."""
+    path = str(tmp_path / "meta")
+    MetaStore(path).close()
+    child = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, text=True)
+    synced = -1
+    try:
+        while synced < 2000:
+            line = child.stdout.readline()
+            assert line, "the writer died"
+            synced = int(line.split()[1])
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    store = MetaStore(path)
+    try:
+        with store.read() as txn:
+            cursor = txn.raw.cursor(db=txn.dbs["meta"])
+            found = [int(bytes(k)[1:]) for k, _ in cursor if bytes(k).startswith(b"w")]
+        assert found == list(range(len(found))), "a write survived without one made before it"
+        assert len(found) > synced
+        put(store, b"after", b"1")  # and the database takes writes again
+    finally:
+        store.close()
