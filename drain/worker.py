@@ -200,10 +200,15 @@ class Drain:
         gateway_alive = self.cache.gateway_pid() is not None
         candidates = []
         lost = {}
+        stale_markers = []  # bucket keys of markers that will move (their old name is gone)
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
                 continue
+            remote = txn.get_remote(ino)
+            if (remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers)
+                    and all(p.decode("utf-8", "surrogateescape") != remote.key for p in txn.paths_of(ino))):
+                stale_markers.append(remote.key)
             path = txn.path_of(ino)
             if path is None:
                 continue
@@ -216,7 +221,10 @@ class Drain:
                 ino, path.decode("utf-8", "surrogateescape"), rec.since_ns, rec.changed_ns,
                 inode.is_dir, writers, rec.urgent, is_lost,
             ))
-        return candidates, list(txn.iter_tombstones()), lost
+        tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
+                      if not durability.awaits_its_writer(txn, key, rec)
+                      and not schedule.below_marker(key, stale_markers, self.markers)]
+        return candidates, tombstones, lost
 
     # -- main loop -------------------------------------------------------------------
 
@@ -404,10 +412,11 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if job.reason != durability.META and not await self._invalidate_markers(job):
+            if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
+            await self._write(self._begin_writes, job)
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
@@ -443,12 +452,26 @@ class Drain:
         finally:
             self.busy_keys.difference_update(job.keys)
 
+    def _begin_writes(self, txn: Txn, job: FileJob) -> None:
+        """Record the keys this reconcile writes before it writes them (a crash before the
+        commit must not leave an object, or a multipart upload, nobody knows about)."""
+        if job.durable_in_bucket:
+            keys = [k for k in job.keys if k != job.remote.key or job.reason == durability.META]
+            multipart_key = None
+        else:
+            keys = job.keys
+            uploads_parts = job.size > self.part_size and not (job.is_symlink or job.special)
+            multipart_key = job.keys[0] if uploads_parts else None
+        durability.begin_bucket_writes(txn, job.ino, keys, multipart_key=multipart_key)
+
     # -- markers of a checkpoint whose shards are replaced -----------------------------------
 
     def _markers_to_invalidate(self, txn: Txn, job: FileJob) -> list[tuple[int, str]]:
         """Markers in the bucket (inode, key) in the directories above ``job``'s keys, if writing
         those keys replaces an object (a re-save into an existing checkpoint directory)."""
         keys = [k for k in job.keys if not schedule.is_marker(k, self.markers)]
+        if job.durable_in_bucket:
+            keys = [k for k in keys if k != job.remote.key]  # rewritten in place: same content
         if not any(txn.owner_of_remote_key(k) is not None for k in keys):
             return []  # new names only: nothing the markers vouched for changes
         out: dict[int, str] = {}
@@ -469,8 +492,15 @@ class Drain:
                     continue
                 inode = txn.get_inode(child)
                 remote = txn.get_remote(child)
-                if inode is None or remote is None or inode.nlink == 0:
-                    continue  # not in the bucket
+                if inode is None or inode.nlink == 0:
+                    continue
+                if remote is None:
+                    # An upload of it a crash cut off before its commit may have landed.
+                    key = posixpath.join(d, name.decode("utf-8", "surrogateescape"))
+                    intent = txn.get_tombstone(key)
+                    if intent is not None and intent.get("writer") == child:
+                        out[child] = key
+                    continue
                 if inode.state == FileState.REMOTE and not inode.is_symlink:
                     continue  # the cache does not hold its content: it could not be put back
                 # (a marker written again but not uploaded yet still has its old object out)
@@ -682,15 +712,29 @@ class Drain:
         time would lose its upload, which for a checkpoint shard is a conflict anyway.
         """
         try:
-            uploads = await self.store.list_multipart_uploads(key)
-            known = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
-            for info in uploads:
-                if info.key != key or info.upload_id == keep or info.upload_id in known:
-                    continue
-                log.info("aborting multipart upload %s of %s left by an earlier attempt", info.upload_id, key)
-                await self.store.abort_multipart(key, info.upload_id)
+            await self._abort_unknown_uploads(key, keep)
         except StoreError as exc:
             log.warning("could not clean up earlier multipart uploads of %s: %s", key, exc)
+
+    async def _abort_unknown_uploads(self, key: str, keep: str | None) -> None:
+        """Abort the multipart uploads of exactly ``key`` but ``keep`` and those fsmeta records
+        (the caller holds the key: no upload of it of ours is starting meanwhile)."""
+        uploads = await self.store.list_multipart_uploads(key)
+
+        def known(txn: Txn) -> set[str]:
+            ids = {rec.upload_id for _, rec in txn.iter_uploads()}
+            return ids | {rec["upload_id"] for _, rec in txn.iter_tombstones() if rec.get("upload_id")}
+
+        recorded = await self._read(known)
+        for info in uploads:
+            if info.key != key or info.upload_id == keep or info.upload_id in recorded:
+                continue
+            log.info("aborting multipart upload %s of %s left by an earlier attempt", info.upload_id, key)
+            try:
+                await self.store.abort_multipart(key, info.upload_id)
+            except StoreError as exc:
+                if exc.code != "NoSuchUpload":
+                    raise
 
     # -- hashing ahead of the settle window --------------------------------------------------
 
@@ -769,6 +813,7 @@ class Drain:
             return None  # content moved on; pending stays, next round uploads again
         old = txn.get_remote(job.ino)
         durability.mark_durable(txn, inode, job.generation, record)
+        durability.end_bucket_writes(txn, job.ino, job.keys, current_keys)
         if old is not None and old.key != record.key and old.key not in current_keys:
             txn.add_tombstone(old.key)
         pending = txn.get_pending(job.ino)
@@ -803,6 +848,7 @@ class Drain:
             "empty": txn.dir_is_empty(ino),
             "remote": txn.get_remote(ino),
             "changed_ns": pending.changed_ns,
+            "reason": pending.reason,
             "mode": inode.mode, "uid": inode.uid, "gid": inode.gid, "mtime_ns": inode.mtime_ns,
         }
 
@@ -812,13 +858,15 @@ class Drain:
             return
         marker = info["path"] + "/" if info["path"] else None
         remote = info["remote"]
-        put_marker = marker is not None and info["empty"] and (remote is None or remote.key != marker)
+        put_marker = marker is not None and info["empty"] and (
+            remote is None or remote.key != marker or info["reason"] == durability.META)
         if put_marker:
             if marker in self.deleting_keys or marker in self.busy_keys:
                 return  # the old directory's marker is being deleted; next round
             meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
             self.busy_keys.add(marker)
             try:
+                await self._write(lambda txn: durability.begin_bucket_writes(txn, cand.ino, [marker]))
                 await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
             finally:
                 self.busy_keys.discard(marker)
@@ -831,6 +879,9 @@ class Drain:
                 return
             if put_marker:
                 txn.put_remote(cand.ino, RemoteRecord(marker, 0, "", inode.generation))
+                current_path = txn.path_of(cand.ino)
+                live = [] if current_path is None else [current_path.decode("utf-8", "surrogateescape") + "/"]
+                durability.end_bucket_writes(txn, cand.ino, [marker], live)
             if remote is not None and remote.key != marker:
                 txn.add_tombstone(remote.key)
                 if not put_marker:
@@ -846,9 +897,12 @@ class Drain:
     # -- deletions -------------------------------------------------------------------------
 
     def _classify_tombstones(self, txn: Txn, items: list[tuple[str, dict]]) -> tuple[list, list]:
-        """(to delete, to drop): a key that is live again or a copy source is not deleted."""
+        """(to delete, to drop): a key that is live again or a copy source is not deleted; the
+        intent of a write whose inode is still pending under the key is left to that inode."""
         delete, drop = [], []
         for key, rec in items:
+            if durability.awaits_its_writer(txn, key, rec):
+                continue
             raw = key.rstrip("/").encode("utf-8", "surrogateescape")
             live = txn.resolve(raw)
             if live is not None:
@@ -882,7 +936,10 @@ class Drain:
             except BaseException:
                 self.deleting_keys.clear()
                 raise
-            self.deleting_keys.difference_update(k for k, _ in drop)
+            # Still reserved: keys to delete, and keys whose unrecorded uploads are listed and
+            # aborted (an upload of ours must not start meanwhile).
+            reserved = {k for k, _ in delete} | {k for k, r in drop if r.get("multipart")}
+            self.deleting_keys.difference_update(k for k, _ in items if k not in reserved)
             try:
                 # A dropped tombstone (its name is live again) still carries a dead upload.
                 for key, rec in delete + drop:
@@ -893,6 +950,10 @@ class Drain:
                         except StoreError as exc:
                             if exc.code != "NoSuchUpload":
                                 raise
+                    if rec.get("multipart"):
+                        # A crash between CreateMultipartUpload and recording its id.
+                        await self._retry(f"abort unrecorded uploads of {key}",
+                                          lambda key=key: self._abort_unknown_uploads(key, None))
                 for batch in schedule.order_tombstones([k for k, _ in delete], self.markers):
                     failed = await self._retry(f"delete {len(batch)} objects", lambda batch=batch: self._delete_batch(batch))
                     self.stats.deleted_objects += len(batch) - len(failed)

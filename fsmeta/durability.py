@@ -46,7 +46,8 @@ def _queue(txn: Txn, ino: int, now_ns: int, reason: str) -> None:
         rec = PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=reason)
     else:
         rec.changed_ns = now_ns
-        if reason == DATA:
+        # DATA > META > RENAME: a move that must also carry new metadata rewrites every key.
+        if reason == DATA or (reason == META and rec.reason == RENAME):
             rec.reason = reason
     txn.put_pending(ino, rec)
 
@@ -84,7 +85,12 @@ def mark_moved(txn: Txn, ino: int, now_ns: int) -> None:
 
 
 def mark_meta_changed(txn: Txn, inode: Inode, now_ns: int) -> None:
-    """chmod, chown or utimes of a file: the object's metadata must follow."""
+    """chmod, chown or utimes of a file, or of a directory that has a ``dir/`` marker object:
+    the object's metadata must follow."""
+    if inode.is_dir:
+        if txn.get_remote(inode.ino) is not None:
+            _queue(txn, inode.ino, now_ns, META)
+        return
     _queue(txn, inode.ino, now_ns, META)
     if inode.state in (FileState.DURABLE, FileState.CACHED_CLEAN):
         inode.state = FileState.DIRTY
@@ -182,6 +188,50 @@ def mark_evicted(txn: Txn, inode: Inode) -> None:
     if inode.state in (FileState.CACHED_CLEAN, FileState.DURABLE) and txn.get_pending(inode.ino) is None:
         inode.state = FileState.REMOTE
         txn.put_inode(inode)
+
+
+# -- what the drain writes to the bucket ------------------------------------------------
+
+
+def begin_bucket_writes(txn: Txn, ino: int, keys: list[str], *, multipart_key: str | None = None) -> None:
+    """The drain is about to write ``keys`` for ``ino`` (PUT, multipart upload, copy).
+
+    Each key gets a tombstone naming its writer, kept while ``ino`` is pending under that
+    name (:func:`awaits_its_writer`) and cleared by :func:`end_bucket_writes`. If a crash
+    loses the commit, the object (or a multipart upload of ``multipart_key`` whose id was
+    never recorded) is still accounted for: once the name is gone, it is deleted (aborted).
+    """
+    for key in keys:
+        txn.add_tombstone(key, writer=ino, multipart=key == multipart_key)
+
+
+def end_bucket_writes(txn: Txn, ino: int, keys: list[str], live_keys: list[str]) -> None:
+    """The writes of ``keys`` are committed (the bucket holds ``ino``'s content there): the
+    intents of keys that are still its names go; a key renamed meanwhile becomes a plain
+    tombstone (deleted unless it is live or a copy source again)."""
+    for key in keys:
+        rec = txn.get_tombstone(key)
+        if rec is None or rec.get("writer") != ino:
+            continue  # not ours (any more): e.g. the gateway's tombstone of an unlinked name
+        if key in live_keys and not rec.get("upload_id"):
+            txn.remove_tombstone(key)
+        else:
+            txn.add_tombstone(key)  # (a recorded dead upload in it still gets aborted)
+
+
+def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
+    """A tombstone that is the intent of a write (:func:`begin_bucket_writes`) whose inode is
+    still pending under ``key``: not a delete (yet); the inode's upload decides."""
+    ino = rec.get("writer")
+    if ino is None or txn.get_pending(ino) is None:
+        return False
+    inode = txn.get_inode(ino)
+    if inode is None or inode.nlink == 0:
+        return False
+    if inode.is_dir:
+        path = txn.path_of(ino)
+        return path is not None and _decode(path) + "/" == key
+    return any(_decode(p) == key for p in txn.paths_of(ino))
 
 
 # -- queries -----------------------------------------------------------------------------
