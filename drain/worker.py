@@ -412,6 +412,9 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
+            if await self._read(lambda txn: any(durability.key_shape_in_flux(txn, k) for k in job.keys)):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)  # a directory of that name is still leaving
+                return
             if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
@@ -863,6 +866,9 @@ class Drain:
         if put_marker:
             if marker in self.deleting_keys or marker in self.busy_keys:
                 return  # the old directory's marker is being deleted; next round
+            if await self._read(durability.key_shape_in_flux, marker):
+                self._requeue(cand.ino, WAIT_SOURCE_BACKOFF)  # a file of that name is still leaving
+                return
             meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
             self.busy_keys.add(marker)
             try:

@@ -234,6 +234,33 @@ def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
     return any(_decode(p) == key for p in txn.paths_of(ino))
 
 
+def key_shape_in_flux(txn: Txn, key: str) -> bool:
+    """The bucket still holds ``key``'s other shape, on its way out: objects below ``key/``
+    (``mv b c; mv f b``: ``b/x`` until it has moved) or a file object at a directory above
+    ``key`` (``mv a c; mv d a``: ``a`` until it has moved). A ``file://`` bucket cannot hold
+    both shapes; an S3 reader would see a file and a directory of one name. The writer of
+    ``key`` waits until they are gone (deleted, or moved to their inode's name)."""
+    base = key.rstrip("/")
+
+    def leaving(k: str, owner: int) -> bool:
+        return all(_decode(p) != k for p in txn.paths_of(owner))
+
+    if not key.endswith("/"):  # (a directory's marker ``d/`` and the objects below it coexist)
+        if next(txn.tombstones_below(base + "/"), None) is not None:
+            return True
+        if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
+            return True
+    parts = base.split("/")
+    for i in range(1, len(parts)):
+        above = "/".join(parts[:i])
+        if txn.get_tombstone(above) is not None:
+            return True
+        owner = txn.owner_of_remote_key(above)
+        if owner is not None and leaving(above, owner):
+            return True
+    return False
+
+
 # -- queries -----------------------------------------------------------------------------
 
 

@@ -56,8 +56,13 @@ Invariants kept by every write transaction:
 * ``nlink`` of a file equals the number of dirents pointing to it; a file with
   ``nlink == 0`` is in ``orphans`` until purged.
 * An inode is in ``pending`` whenever its bucket object is not known to match
-  its current name and generation. ``Inode.state`` is ``DURABLE`` only when it
-  is not in ``pending``.
+  its current name and generation; "durable" (``wait-durable``, ``user.ckptfs.state``)
+  means "not in ``pending``".
+* ``Inode.state`` is about content, not names: a linked file is ``DURABLE`` only when
+  the bucket holds its current generation (``durable_generation == generation`` and
+  its ``remote`` record is of that generation). It stays ``DURABLE`` while it is in
+  ``pending`` for a new name (reason ``rename``: the drain copies the object), never
+  with reason ``data``.
 """
 
 import struct

@@ -320,6 +320,15 @@ class Txn:
         for key, value in cursor:
             yield bytes(key).decode(), json.loads(bytes(value))
 
+    def tombstones_below(self, prefix: str) -> Iterator[tuple[str, dict]]:
+        for key, value in self._iter_prefix("tombstones", prefix.encode()):
+            yield bytes(key).decode(), json.loads(bytes(value))
+
+    def remote_keys_below(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, owner) of the recorded bucket objects whose key starts with ``prefix``."""
+        for key, value in self._iter_prefix("remote_keys", prefix.encode()):
+            yield bytes(key).decode(), schema.unpack_u64(value)
+
     def forget_remote_object(self, ino: int) -> None:
         """The inode's bucket object (and any in-flight upload) must go: tombstone them."""
         remote = self.get_remote(ino)

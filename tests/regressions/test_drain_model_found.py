@@ -187,6 +187,9 @@ def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  
     denv.drain()
     denv.rename("b", "c")
     denv.rename("f", "b")
-    denv.drain(timeout=10)
+    rec = denv.drain(timeout=10)
     assert sorted(denv.listing()) == ["b", "c/x"]
     assert denv.object_bytes("b") == b"file"
+    # ``b`` waited for ``b/x`` to move instead of failing (KeyConflict: an error shown, a retry
+    # seconds later)
+    assert [e for e in rec.events if e[2] == "error"] == []
