@@ -183,6 +183,7 @@ class Drain:
         # One marker invalidation at a time: a shard that finds its markers already
         # requeued must not upload before the delete another task started has finished.
         self.invalidate_lock = trio.Lock()
+        self.leaving_markers: dict[str, list[str]] = {}  # see _scan
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -196,19 +197,21 @@ class Drain:
     async def _write(self, fn, *args):
         return await trio.to_thread.run_sync(lambda: self.meta.write(lambda txn: fn(txn, *args)))
 
-    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]], dict[str, str]]:
+    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]], dict[str, str],
+                                       dict[str, list[str]]]:
         gateway_alive = self.cache.gateway_pid() is not None
         candidates = []
         lost = {}
-        stale_markers = []  # bucket keys of markers that will move (their old name is gone)
+        stale_markers = {}  # bucket key of a marker that will move (its old name is gone) -> its names
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
                 continue
             remote = txn.get_remote(ino)
-            if (remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers)
-                    and all(p.decode("utf-8", "surrogateescape") != remote.key for p in txn.paths_of(ino))):
-                stale_markers.append(remote.key)
+            if remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers):
+                names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
+                if remote.key not in names:
+                    stale_markers[remote.key] = names
             path = txn.path_of(ino)
             if path is None:
                 continue
@@ -223,8 +226,11 @@ class Drain:
             ))
         tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
                       if not durability.awaits_its_writer(txn, key, rec)
-                      and not schedule.below_marker(key, stale_markers, self.markers)]
-        return candidates, tombstones, lost
+                      and not schedule.below_marker(key, list(stale_markers), self.markers)]
+        # Markers still in the bucket that are leaving: moving, or queued for deletion.
+        leaving_markers = stale_markers | {
+            key: [] for key, _ in tombstones if not key.endswith("/") and schedule.is_marker(key, self.markers)}
+        return candidates, tombstones, lost, leaving_markers
 
     # -- main loop -------------------------------------------------------------------
 
@@ -236,7 +242,7 @@ class Drain:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
             while stop is None or not stop.is_set():
-                candidates, tombstones, self.lost = await self._read(self._scan)
+                candidates, tombstones, self.lost, self.leaving_markers = await self._read(self._scan)
                 self._prune_errors(candidates)
                 if (self.until_empty and not tombstones and not self.busy
                         and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
@@ -412,6 +418,10 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
+            if await self._read(self._replaces_below_leaving_marker, job):
+                # A marker of a moved checkpoint still vouches for the object we would replace.
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
             if await self._read(lambda txn: any(durability.key_shape_in_flux(txn, k) for k in job.keys)):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)  # a directory of that name is still leaving
                 return
@@ -454,6 +464,22 @@ class Drain:
                 self.stats.time_to_durable.observe(since_last_close)
         finally:
             self.busy_keys.difference_update(job.keys)
+
+    def _replaces_below_leaving_marker(self, txn: Txn, job: FileJob) -> bool:
+        """Writing ``job`` would replace an object below the old directory of a marker that is
+        still in the bucket there and is leaving (moving with its renamed checkpoint, or being
+        deleted): it waits until the marker is gone. (Not for a file below the marker's new
+        directory: the marker's move waits for that file.)"""
+        for key in job.keys:
+            if schedule.is_marker(key, self.markers):
+                continue
+            if txn.owner_of_remote_key(key) is None and txn.get_tombstone(key) is None:
+                continue  # no object there: nothing a marker vouched for changes
+            for marker, names in self.leaving_markers.items():
+                if (schedule.below_marker(key, [marker], self.markers)
+                        and not schedule.below_marker(key, names, self.markers)):
+                    return True
+        return False
 
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
         """Record the keys this reconcile writes before it writes them (a crash before the
@@ -543,8 +569,10 @@ class Drain:
             if owner is None or owner == ino:
                 continue
             inode = txn.get_inode(owner)
-            if inode is None or inode.nlink == 0 or txn.get_pending(owner) is None:
+            if inode is None or inode.nlink == 0:
                 continue
+            if txn.get_pending(owner) is None and not durability.pending_ancestor(txn, owner):
+                continue  # (below a renamed directory not expanded yet: it will move)
             if inode.durable_generation != inode.generation:
                 continue  # it will be uploaded from the cache, not copied from this object
             return owner
@@ -925,6 +953,10 @@ class Drain:
                 owner_inode = txn.get_inode(owner)
                 if owner_inode is None or owner_inode.nlink == 0:
                     owner = None
+            if is_live and owner is None and not key.endswith("/") and schedule.is_marker(key, self.markers):
+                # The name is a marker again, not uploaded yet (a new save): the old marker
+                # must not stay visible next to the new shards meanwhile.
+                is_live = False
             if is_live or owner is not None:
                 drop.append((key, rec))
             else:

@@ -336,7 +336,7 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def _pending_ancestor(txn: Txn, ino: int) -> bool:
+def pending_ancestor(txn: Txn, ino: int) -> bool:
     """A directory above ``ino`` is pending (renamed, not yet expanded by the drain)."""
     cur = txn.get_inode(ino)
     while cur is not None and cur.ino != schema.ROOT_INO:
@@ -359,7 +359,7 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
         in_flight[int(ino)] = progress.get("done", 0)
     ino = txn.resolve(rel.encode("utf-8", "surrogateescape")) if rel else schema.ROOT_INO
     if ino is not None:
-        ancestors_pending = bool(rel) and _pending_ancestor(txn, ino)
+        ancestors_pending = bool(rel) and pending_ancestor(txn, ino)
         inode = txn.get_inode(ino)
         items = [(rel, ino)]
         if inode is not None and inode.is_dir:
@@ -385,6 +385,8 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
             out.files.append((path or "/", size, state))
             out.bytes += size
     for key, rec in txn.iter_tombstones():
+        if awaits_its_writer(txn, key, rec):
+            continue  # the key of a pending file's write in flight: that file is listed
         if not rel or key == rel or key.startswith(prefix):
             out.deletes.append(key)
             since = rec.get("since_ns")

@@ -42,7 +42,12 @@ database      key                             value
                                               part size, generation, finished parts)
 ``tombstones`` key bytes (relative to prefix) JSON: an object to delete from the bucket
                                               (old name of a renamed durable file,
-                                              unlinked file, removed dir marker)
+                                              unlinked file, removed dir marker):
+                                              ``since_ns``, ``upload_id`` (a dead upload
+                                              to abort), ``multipart`` (abort the key's
+                                              uploads fsmeta does not know), ``writer``
+                                              (ino: the drain is writing this key for it;
+                                              no delete while it is pending under it)
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
 ``errors``    ino                             utf-8: the last permanent upload error

@@ -58,7 +58,7 @@ def drain_crashing_after(env, op: str, key: str | None = None) -> BaseException:
             raise Crash()
 
     rec.after_hooks[op] = crash
-    with pytest.raises(BaseException) as exc:  # noqa: B017 - a Crash, maybe inside exception groups
+    with pytest.raises(BaseException) as exc:  # a Crash, maybe inside exception groups
         env.drain(rec=rec)
     return exc.value
 
@@ -193,3 +193,24 @@ def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  
     # ``b`` waited for ``b/x`` to move instead of failing (KeyConflict: an error shown, a retry
     # seconds later)
     assert [e for e in rec.events if e[2] == "error"] == []
+
+
+def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
+    denv.write_file("ck0/s0", b"first save")
+    denv.write_file("ck0/.metadata", b"save 1")
+    denv.drain()
+    denv.rename("ck0", "ck2")
+    denv.write_file("ck0/s0", b"second save")  # a new checkpoint under the old name
+    denv.write_file("ck0/.metadata", b"save 2")
+    saves = {b"save 1": {"s0": b"first save"}, b"save 2": {"s0": b"second save"}}
+    seen_old, check_old = marker_checker(denv, "ck0", saves)
+    seen_new, check_new = marker_checker(denv, "ck2", saves)
+
+    async def check(key, extra, result):
+        await check_old(key, extra, result)
+        await check_new(key, extra, result)
+
+    denv.drain(rec=recording(denv, check))
+    assert seen_old == [] and seen_new == []
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "ck0/.metadata": b"save 2", "ck0/s0": b"second save", "ck2/.metadata": b"save 1", "ck2/s0": b"first save"}
