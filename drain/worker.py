@@ -395,10 +395,14 @@ class Drain:
         remote = txn.get_remote(ino)
         durable = (remote is not None and inode.durable_generation == inode.generation
                    and remote.generation == inode.generation)
+        # An earlier attempt may have left a multipart upload nobody recorded: it was cut off
+        # (UPLOADING), or its key says so (the file was written again since).
+        prior_attempt = inode.state == FileState.UPLOADING or any(
+            (txn.get_tombstone(k) or {}).get("multipart") for k in keys)
         return FileJob(
             ino, inode.generation, keys, pending.changed_ns, inode.size, inode.mode, inode.uid,
             inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
-            txn.get_upload(ino), pending.reason, inode.state == FileState.UPLOADING,
+            txn.get_upload(ino), pending.reason, prior_attempt,
             special=not (inode.is_reg or inode.is_dir or inode.is_symlink), rdev=inode.rdev,
         )
 
@@ -418,12 +422,8 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if await self._read(self._replaces_below_leaving_marker, job):
-                # A marker of a moved checkpoint still vouches for the object we would replace.
+            if await self._read(self._must_wait_for_leaving_objects, job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
-                return
-            if await self._read(lambda txn: any(durability.key_shape_in_flux(txn, k) for k in job.keys)):
-                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)  # a directory of that name is still leaving
                 return
             if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
@@ -464,6 +464,13 @@ class Drain:
                 self.stats.time_to_durable.observe(since_last_close)
         finally:
             self.busy_keys.difference_update(job.keys)
+
+    def _must_wait_for_leaving_objects(self, txn: Txn, job: FileJob) -> bool:
+        """Objects on their way out of the bucket must be gone before ``job`` is written: a
+        marker that vouches for an object it would replace, or objects of the other shape
+        (:func:`durability.key_shape_in_flux`)."""
+        return (self._replaces_below_leaving_marker(txn, job)
+                or any(durability.key_shape_in_flux(txn, k) for k in job.keys))
 
     def _replaces_below_leaving_marker(self, txn: Txn, job: FileJob) -> bool:
         """Writing ``job`` would replace an object below the old directory of a marker that is
@@ -665,13 +672,13 @@ class Drain:
 
         await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, rdev=job.rdev)
-        if job.is_symlink or job.special:
-            result = await upload_bytes(self.store, key, job.target, meta, journal=self.status_journal)
-            return result.etag, result.blake3, len(job.target)
-        if job.size == 0:
+        if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).
-            result = await upload_bytes(self.store, key, b"", meta, journal=self.status_journal)
-            return result.etag, result.blake3, 0
+            content = job.target if job.is_symlink or job.special else b""
+            result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
+            if job.prior_attempt:
+                await self._abort_orphans(key, None)
+            return result.etag, result.blake3, len(content)
 
         resume = None
         if job.upload is not None:
@@ -722,8 +729,8 @@ class Drain:
                 raise
             log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             return None, "", 0
-        if result.multipart and (journal.creates > 1 or job.prior_attempt):
-            await self._abort_orphans(key, result.upload_id)
+        if job.prior_attempt or (result.multipart and journal.creates > 1):
+            await self._abort_orphans(key, result.upload_id if result.multipart else None)
         return result.etag, result.blake3, job.size
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:

@@ -214,3 +214,13 @@ def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_mar
     assert seen_old == [] and seen_new == []
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         "ck0/.metadata": b"save 2", "ck0/s0": b"second save", "ck2/.metadata": b"save 1", "ck2/s0": b"first save"}
+
+
+@pytest.mark.parametrize("new_size", [6 * MiB, 10], ids=["multipart-again", "single-put"])
+def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rewrite(denv, new_size):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    drain_crashing_after(denv, "create_multipart")
+    denv.write_file("big", b"y" * new_size)  # written again before the next drain: a new generation
+    denv.drain()
+    assert denv.object_bytes("big") == b"y" * new_size
+    assert denv.open_uploads() == []
