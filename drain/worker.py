@@ -107,6 +107,7 @@ class FileJob:
     reason: str
     prior_attempt: bool = False  # state UPLOADING: an earlier attempt may have left an upload behind
     special: bool = False  # FIFO, socket or device: an empty object, no cache file
+    unknown_uploads_left: bool = False  # aborting the key's unrecorded uploads failed: keep its tombstone
     rdev: int = 0
 
 
@@ -677,7 +678,7 @@ class Drain:
             content = job.target if job.is_symlink or job.special else b""
             result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
             if job.prior_attempt:
-                await self._abort_orphans(key, None)
+                job.unknown_uploads_left = not await self._abort_orphans(key, None)
             return result.etag, result.blake3, len(content)
 
         resume = None
@@ -730,7 +731,8 @@ class Drain:
             log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             return None, "", 0
         if job.prior_attempt or (result.multipart and journal.creates > 1):
-            await self._abort_orphans(key, result.upload_id if result.multipart else None)
+            keep = result.upload_id if result.multipart else None
+            job.unknown_uploads_left = not await self._abort_orphans(key, keep)
         return result.etag, result.blake3, job.size
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:
@@ -740,7 +742,7 @@ class Drain:
             if exc.code != "NoSuchUpload":
                 log.warning("abort of upload %s of %s failed (the stale sweep retries): %s", upload_id, key, exc)
 
-    async def _abort_orphans(self, key: str, keep: str | None) -> None:
+    async def _abort_orphans(self, key: str, keep: str | None) -> bool:
         """Abort multipart uploads of exactly ``key`` that no fsmeta record knows.
 
         A crash between CreateMultipartUpload and recording its id, or a Create whose
@@ -752,7 +754,9 @@ class Drain:
         try:
             await self._abort_unknown_uploads(key, keep)
         except StoreError as exc:
-            log.warning("could not clean up earlier multipart uploads of %s: %s", key, exc)
+            log.warning("could not clean up earlier multipart uploads of %s (its tombstone retries): %s", key, exc)
+            return False
+        return True
 
     async def _abort_unknown_uploads(self, key: str, keep: str | None) -> None:
         """Abort the multipart uploads of exactly ``key`` but ``keep`` and those fsmeta records
@@ -851,7 +855,8 @@ class Drain:
             return None  # content moved on; pending stays, next round uploads again
         old = txn.get_remote(job.ino)
         durability.mark_durable(txn, inode, job.generation, record)
-        durability.end_bucket_writes(txn, job.ino, job.keys, current_keys)
+        durability.end_bucket_writes(txn, job.ino, job.keys, current_keys,
+                                     keep_multipart=job.unknown_uploads_left)
         if old is not None and old.key != record.key and old.key not in current_keys:
             txn.add_tombstone(old.key)
         pending = txn.get_pending(job.ino)

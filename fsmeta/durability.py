@@ -205,15 +205,18 @@ def begin_bucket_writes(txn: Txn, ino: int, keys: list[str], *, multipart_key: s
         txn.add_tombstone(key, writer=ino, multipart=key == multipart_key)
 
 
-def end_bucket_writes(txn: Txn, ino: int, keys: list[str], live_keys: list[str]) -> None:
+def end_bucket_writes(txn: Txn, ino: int, keys: list[str], live_keys: list[str], *,
+                      keep_multipart: bool = False) -> None:
     """The writes of ``keys`` are committed (the bucket holds ``ino``'s content there): the
     intents of keys that are still its names go; a key renamed meanwhile becomes a plain
-    tombstone (deleted unless it is live or a copy source again)."""
+    tombstone (deleted unless it is live or a copy source again), and so does one whose
+    unrecorded multipart uploads are still to abort (``keep_multipart``, or a recorded dead
+    upload in it)."""
     for key in keys:
         rec = txn.get_tombstone(key)
         if rec is None or rec.get("writer") != ino:
             continue  # not ours (any more): e.g. the gateway's tombstone of an unlinked name
-        if key in live_keys and not rec.get("upload_id"):
+        if key in live_keys and not rec.get("upload_id") and not (keep_multipart and rec.get("multipart")):
             txn.remove_tombstone(key)
         else:
             txn.add_tombstone(key)  # (a recorded dead upload in it still gets aborted)

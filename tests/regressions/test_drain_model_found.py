@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
+from ckptfs.drain.store import StoreError  # noqa: E402
 from ckptfs.gateway.core import SetattrRequest  # noqa: E402
 
 
@@ -223,4 +224,23 @@ def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rewrite(denv,
     denv.write_file("big", b"y" * new_size)  # written again before the next drain: a new generation
     denv.drain()
     assert denv.object_bytes("big") == b"y" * new_size
+    assert denv.open_uploads() == []
+
+
+def test_unrecorded_uploads_whose_abort_failed_are_aborted_later(denv):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    drain_crashing_after(denv, "create_multipart")
+    denv.write_file("big", b"y" * (6 * MiB))
+    rec = RecStore(None)
+    throttled = [True]
+
+    async def list_uploads_throttled_once(prefix):
+        if throttled and prefix == "big":
+            throttled.pop()  # the abort after the upload fails; its tombstone retries it
+            raise StoreError("injected throttle", code="SlowDown", status=503, op="ListMultipartUploads")
+        return await rec._inner.list_multipart_uploads(prefix)
+
+    rec.list_multipart_uploads = list_uploads_throttled_once
+    denv.drain(rec=rec)
+    assert throttled == []
     assert denv.open_uploads() == []
