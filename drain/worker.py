@@ -107,7 +107,9 @@ class FileJob:
     reason: str
     prior_attempt: bool = False  # state UPLOADING: an earlier attempt may have left an upload behind
     special: bool = False  # FIFO, socket or device: an empty object, no cache file
-    unknown_uploads_left: bool = False  # aborting the key's unrecorded uploads failed: keep its tombstone
+    # The key may have unrecorded multipart uploads still to abort (an earlier attempt; or the
+    # abort after this upload failed): its tombstone keeps that job at the commit.
+    unknown_uploads_left: bool = False
     rdev: int = 0
 
 
@@ -405,6 +407,7 @@ class Drain:
             inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
             txn.get_upload(ino), pending.reason, prior_attempt,
             special=not (inode.is_reg or inode.is_dir or inode.is_symlink), rdev=inode.rdev,
+            unknown_uploads_left=prior_attempt,
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:

@@ -244,3 +244,4 @@ def test_unrecorded_uploads_whose_abort_failed_are_aborted_later(denv):  # noqa:
     denv.drain(rec=rec)
     assert throttled == []
     assert denv.open_uploads() == []
+
