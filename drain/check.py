@@ -94,9 +94,11 @@ async def bucket_findings(cache: CacheDir, meta: MetaStore, store: ObjectStore) 
             detail += "; the cache does not hold the content either (re-upload impossible)"
         findings.append(Finding(kind, detail, path=item.path, key=item.key, ino=item.ino, repairable=repairable))
     with meta.read() as txn:
-        tombstones = dict(txn.iter_tombstones())
+        # (a key the drain is writing for a file still pending under it is not a delete)
+        all_tombstones = list(txn.iter_tombstones())
+        tombstones = {key: rec for key, rec in all_tombstones if not durability.awaits_its_writer(txn, key, rec)}
         recorded = {rec.upload_id for _, rec in txn.iter_uploads()}
-    recorded |= {rec["upload_id"] for rec in tombstones.values() if rec.get("upload_id")}
+    recorded |= {rec["upload_id"] for _, rec in all_tombstones if rec.get("upload_id")}
     for key in sorted(tombstones):
         if key.endswith("/") or tombstones[key].get("upload_id"):
             continue  # markers: cheap, and the drain deletes them; uploads: below

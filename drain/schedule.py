@@ -17,7 +17,9 @@ Rules (docs/ARCHITECTURE.md, "Drain order"):
   ``ckpt`` are queued only when the drain expands that directory, and until then
   they are still at their old keys.
 * Deletions go the other way: markers first (see :func:`order_tombstones`), so
-  a half-deleted checkpoint never looks complete.
+  a half-deleted checkpoint never looks complete. An object below a marker that is
+  still in the bucket under its old name (a renamed checkpoint whose marker has not
+  moved yet) is not deleted until that marker has moved (:func:`below_marker`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def held_by_lost(cand: Candidate, candidates: list[Candidate], markers: list[str
         return False
     directory = posixpath.dirname(cand.path)
     return any(o.lost and _below(o.path, directory) for o in candidates)
+
+
+def below_marker(key: str, marker_keys: list[str], markers: list[str]) -> bool:
+    """``key`` (not a marker itself) is at or below the directory of one of ``marker_keys``:
+    while such a marker is in the bucket, it vouches for the object at ``key``."""
+    if is_marker(key.rstrip("/"), markers) and not key.endswith("/"):
+        return False
+    return any(_below(key, posixpath.dirname(m)) for m in marker_keys)
 
 
 def order_tombstones(keys: list[str], markers: list[str]) -> list[list[str]]:

@@ -109,6 +109,9 @@ class FileJob:
     reason: str
     prior_attempt: bool = False  # state UPLOADING: an earlier attempt may have left an upload behind
     special: bool = False  # FIFO, socket or device: an empty object, no cache file
+    # The key may have unrecorded multipart uploads still to abort (an earlier attempt; or the
+    # abort after this upload failed): its tombstone keeps that job at the commit.
+    unknown_uploads_left: bool = False
     rdev: int = 0
 
 
@@ -186,6 +189,7 @@ class Drain:
         # One marker invalidation at a time: a shard that finds its markers already
         # requeued must not upload before the delete another task started has finished.
         self.invalidate_lock = trio.Lock()
+        self.leaving_markers: dict[str, list[str]] = {}  # see _scan
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -199,14 +203,21 @@ class Drain:
     async def _write(self, fn, *args):
         return await trio.to_thread.run_sync(lambda: self.meta.write(lambda txn: fn(txn, *args)))
 
-    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]], dict[str, str]]:
+    def _scan(self, txn: Txn) -> tuple[list[schedule.Candidate], list[tuple[str, dict]], dict[str, str],
+                                       dict[str, list[str]]]:
         gateway_alive = self.cache.gateway_pid() is not None
         candidates = []
         lost = {}
+        stale_markers = {}  # bucket key of a marker that will move (its old name is gone) -> its names
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
                 continue
+            remote = txn.get_remote(ino)
+            if remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers):
+                names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
+                if remote.key not in names:
+                    stale_markers[remote.key] = names
             path = txn.path_of(ino)
             if path is None:
                 continue
@@ -219,7 +230,13 @@ class Drain:
                 ino, path.decode("utf-8", "surrogateescape"), rec.since_ns, rec.changed_ns,
                 inode.is_dir, writers, rec.urgent, is_lost,
             ))
-        return candidates, list(txn.iter_tombstones()), lost
+        tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
+                      if not durability.awaits_its_writer(txn, key, rec)
+                      and not schedule.below_marker(key, list(stale_markers), self.markers)]
+        # Markers still in the bucket that are leaving: moving, or queued for deletion.
+        leaving_markers = stale_markers | {
+            key: [] for key, _ in tombstones if not key.endswith("/") and schedule.is_marker(key, self.markers)}
+        return candidates, tombstones, lost, leaving_markers
 
     # -- main loop -------------------------------------------------------------------
 
@@ -231,7 +248,7 @@ class Drain:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
             while stop is None or not stop.is_set():
-                candidates, tombstones, self.lost = await self._read(self._scan)
+                candidates, tombstones, self.lost, self.leaving_markers = await self._read(self._scan)
                 self._prune_errors(candidates)
                 if (self.until_empty and not tombstones and not self.busy
                         and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
@@ -384,11 +401,16 @@ class Drain:
         remote = txn.get_remote(ino)
         durable = (remote is not None and inode.durable_generation == inode.generation
                    and remote.generation == inode.generation)
+        # An earlier attempt may have left a multipart upload nobody recorded: it was cut off
+        # (UPLOADING), or its key says so (the file was written again since).
+        prior_attempt = inode.state == FileState.UPLOADING or any(
+            (txn.get_tombstone(k) or {}).get("multipart") for k in keys)
         return FileJob(
             ino, inode.generation, keys, pending.changed_ns, inode.size, inode.mode, inode.uid,
             inode.gid, inode.mtime_ns, inode.is_symlink, inode.target, durable, remote,
-            txn.get_upload(ino), pending.reason, inode.state == FileState.UPLOADING,
+            txn.get_upload(ino), pending.reason, prior_attempt,
             special=not (inode.is_reg or inode.is_dir or inode.is_symlink), rdev=inode.rdev,
+            unknown_uploads_left=prior_attempt,
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:
@@ -407,10 +429,14 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if job.reason != durability.META and not await self._invalidate_markers(job):
+            if await self._read(self._must_wait_for_leaving_objects, job):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
+            if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
+            await self._write(self._begin_writes, job)
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
@@ -446,12 +472,49 @@ class Drain:
         finally:
             self.busy_keys.difference_update(job.keys)
 
+    def _must_wait_for_leaving_objects(self, txn: Txn, job: FileJob) -> bool:
+        """Objects on their way out of the bucket must be gone before ``job`` is written: a
+        marker that vouches for an object it would replace, or objects of the other shape
+        (:func:`durability.key_shape_in_flux`)."""
+        return (self._replaces_below_leaving_marker(txn, job)
+                or any(durability.key_shape_in_flux(txn, k) for k in job.keys))
+
+    def _replaces_below_leaving_marker(self, txn: Txn, job: FileJob) -> bool:
+        """Writing ``job`` would replace an object below the old directory of a marker that is
+        still in the bucket there and is leaving (moving with its renamed checkpoint, or being
+        deleted): it waits until the marker is gone. (Not for a file below the marker's new
+        directory: the marker's move waits for that file.)"""
+        for key in job.keys:
+            if schedule.is_marker(key, self.markers):
+                continue
+            if txn.owner_of_remote_key(key) is None and txn.get_tombstone(key) is None:
+                continue  # no object there: nothing a marker vouched for changes
+            for marker, names in self.leaving_markers.items():
+                if (schedule.below_marker(key, [marker], self.markers)
+                        and not schedule.below_marker(key, names, self.markers)):
+                    return True
+        return False
+
+    def _begin_writes(self, txn: Txn, job: FileJob) -> None:
+        """Record the keys this reconcile writes before it writes them (a crash before the
+        commit must not leave an object, or a multipart upload, nobody knows about)."""
+        if job.durable_in_bucket:
+            keys = [k for k in job.keys if k != job.remote.key or job.reason == durability.META]
+            multipart_key = None
+        else:
+            keys = job.keys
+            uploads_parts = job.size > self.part_size and not (job.is_symlink or job.special)
+            multipart_key = job.keys[0] if uploads_parts else None
+        durability.begin_bucket_writes(txn, job.ino, keys, multipart_key=multipart_key)
+
     # -- markers of a checkpoint whose shards are replaced -----------------------------------
 
     def _markers_to_invalidate(self, txn: Txn, job: FileJob) -> list[tuple[int, str]]:
         """Markers in the bucket (inode, key) in the directories above ``job``'s keys, if writing
         those keys replaces an object (a re-save into an existing checkpoint directory)."""
         keys = [k for k in job.keys if not schedule.is_marker(k, self.markers)]
+        if job.durable_in_bucket:
+            keys = [k for k in keys if k != job.remote.key]  # rewritten in place: same content
         if not any(txn.owner_of_remote_key(k) is not None for k in keys):
             return []  # new names only: nothing the markers vouched for changes
         out: dict[int, str] = {}
@@ -472,8 +535,15 @@ class Drain:
                     continue
                 inode = txn.get_inode(child)
                 remote = txn.get_remote(child)
-                if inode is None or remote is None or inode.nlink == 0:
-                    continue  # not in the bucket
+                if inode is None or inode.nlink == 0:
+                    continue
+                if remote is None:
+                    # An upload of it a crash cut off before its commit may have landed.
+                    key = posixpath.join(d, name.decode("utf-8", "surrogateescape"))
+                    intent = txn.get_tombstone(key)
+                    if intent is not None and intent.get("writer") == child:
+                        out[child] = key
+                    continue
                 if inode.state == FileState.REMOTE and not inode.is_symlink:
                     continue  # the cache does not hold its content: it could not be put back
                 # (a marker written again but not uploaded yet still has its old object out)
@@ -513,8 +583,10 @@ class Drain:
             if owner is None or owner == ino:
                 continue
             inode = txn.get_inode(owner)
-            if inode is None or inode.nlink == 0 or txn.get_pending(owner) is None:
+            if inode is None or inode.nlink == 0:
                 continue
+            if txn.get_pending(owner) is None and not durability.pending_ancestor(txn, owner):
+                continue  # (below a renamed directory not expanded yet: it will move)
             if inode.durable_generation != inode.generation:
                 continue  # it will be uploaded from the cache, not copied from this object
             return owner
@@ -607,13 +679,13 @@ class Drain:
 
         await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, rdev=job.rdev)
-        if job.is_symlink or job.special:
-            result = await upload_bytes(self.store, key, job.target, meta, journal=self.status_journal)
-            return result.etag, result.blake3, len(job.target)
-        if job.size == 0:
+        if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).
-            result = await upload_bytes(self.store, key, b"", meta, journal=self.status_journal)
-            return result.etag, result.blake3, 0
+            content = job.target if job.is_symlink or job.special else b""
+            result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
+            if job.prior_attempt:
+                job.unknown_uploads_left = not await self._abort_orphans(key, None)
+            return result.etag, result.blake3, len(content)
 
         resume = None
         if job.upload is not None:
@@ -666,8 +738,9 @@ class Drain:
                 raise
             log.info("upload of %s abandoned, file changed meanwhile (%s); requeued", key, exc)
             return None, "", 0
-        if result.multipart and (journal.creates > 1 or job.prior_attempt):
-            await self._abort_orphans(key, result.upload_id)
+        if job.prior_attempt or (result.multipart and journal.creates > 1):
+            keep = result.upload_id if result.multipart else None
+            job.unknown_uploads_left = not await self._abort_orphans(key, keep)
         return result.etag, result.blake3, job.size
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:
@@ -677,7 +750,7 @@ class Drain:
             if exc.code != "NoSuchUpload":
                 log.warning("abort of upload %s of %s failed (the stale sweep retries): %s", upload_id, key, exc)
 
-    async def _abort_orphans(self, key: str, keep: str | None) -> None:
+    async def _abort_orphans(self, key: str, keep: str | None) -> bool:
         """Abort multipart uploads of exactly ``key`` that no fsmeta record knows.
 
         A crash between CreateMultipartUpload and recording its id, or a Create whose
@@ -687,15 +760,31 @@ class Drain:
         time would lose its upload, which for a checkpoint shard is a conflict anyway.
         """
         try:
-            uploads = await self.store.list_multipart_uploads(key)
-            known = {rec.upload_id for _, rec in await self._read(lambda txn: list(txn.iter_uploads()))}
-            for info in uploads:
-                if info.key != key or info.upload_id == keep or info.upload_id in known:
-                    continue
-                log.info("aborting multipart upload %s of %s left by an earlier attempt", info.upload_id, key)
-                await self.store.abort_multipart(key, info.upload_id)
+            await self._abort_unknown_uploads(key, keep)
         except StoreError as exc:
-            log.warning("could not clean up earlier multipart uploads of %s: %s", key, exc)
+            log.warning("could not clean up earlier multipart uploads of %s (its tombstone retries): %s", key, exc)
+            return False
+        return True
+
+    async def _abort_unknown_uploads(self, key: str, keep: str | None) -> None:
+        """Abort the multipart uploads of exactly ``key`` but ``keep`` and those fsmeta records
+        (the caller holds the key: no upload of it of ours is starting meanwhile)."""
+        uploads = await self.store.list_multipart_uploads(key)
+
+        def known(txn: Txn) -> set[str]:
+            ids = {rec.upload_id for _, rec in txn.iter_uploads()}
+            return ids | {rec["upload_id"] for _, rec in txn.iter_tombstones() if rec.get("upload_id")}
+
+        recorded = await self._read(known)
+        for info in uploads:
+            if info.key != key or info.upload_id == keep or info.upload_id in recorded:
+                continue
+            log.info("aborting multipart upload %s of %s left by an earlier attempt", info.upload_id, key)
+            try:
+                await self.store.abort_multipart(key, info.upload_id)
+            except StoreError as exc:
+                if exc.code != "NoSuchUpload":
+                    raise
 
     # -- hashing ahead of the settle window --------------------------------------------------
 
@@ -775,6 +864,8 @@ class Drain:
             return None  # content moved on; pending stays, next round uploads again
         old = txn.get_remote(job.ino)
         durability.mark_durable(txn, inode, job.generation, record)
+        durability.end_bucket_writes(txn, job.ino, job.keys, current_keys,
+                                     keep_multipart=job.unknown_uploads_left)
         if old is not None and old.key != record.key and old.key not in current_keys:
             txn.add_tombstone(old.key)
         pending = txn.get_pending(job.ino)
@@ -809,6 +900,7 @@ class Drain:
             "empty": txn.dir_is_empty(ino),
             "remote": txn.get_remote(ino),
             "changed_ns": pending.changed_ns,
+            "reason": pending.reason,
             "mode": inode.mode, "uid": inode.uid, "gid": inode.gid, "mtime_ns": inode.mtime_ns,
         }
 
@@ -818,13 +910,18 @@ class Drain:
             return
         marker = info["path"] + "/" if info["path"] else None
         remote = info["remote"]
-        put_marker = marker is not None and info["empty"] and (remote is None or remote.key != marker)
+        put_marker = marker is not None and info["empty"] and (
+            remote is None or remote.key != marker or info["reason"] == durability.META)
         if put_marker:
             if marker in self.deleting_keys or marker in self.busy_keys:
                 return  # the old directory's marker is being deleted; next round
+            if await self._read(durability.key_shape_in_flux, marker):
+                self._requeue(cand.ino, WAIT_SOURCE_BACKOFF)  # a file of that name is still leaving
+                return
             meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
             self.busy_keys.add(marker)
             try:
+                await self._write(lambda txn: durability.begin_bucket_writes(txn, cand.ino, [marker]))
                 await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
             finally:
                 self.busy_keys.discard(marker)
@@ -837,6 +934,9 @@ class Drain:
                 return
             if put_marker:
                 txn.put_remote(cand.ino, RemoteRecord(marker, 0, "", inode.generation))
+                current_path = txn.path_of(cand.ino)
+                live = [] if current_path is None else [current_path.decode("utf-8", "surrogateescape") + "/"]
+                durability.end_bucket_writes(txn, cand.ino, [marker], live)
             if remote is not None and remote.key != marker:
                 txn.add_tombstone(remote.key)
                 if not put_marker:
@@ -852,9 +952,12 @@ class Drain:
     # -- deletions -------------------------------------------------------------------------
 
     def _classify_tombstones(self, txn: Txn, items: list[tuple[str, dict]]) -> tuple[list, list]:
-        """(to delete, to drop): a key that is live again or a copy source is not deleted."""
+        """(to delete, to drop): a key that is live again or a copy source is not deleted; the
+        intent of a write whose inode is still pending under the key is left to that inode."""
         delete, drop = [], []
         for key, rec in items:
+            if durability.awaits_its_writer(txn, key, rec):
+                continue
             raw = key.rstrip("/").encode("utf-8", "surrogateescape")
             live = txn.resolve(raw)
             if live is not None:
@@ -871,6 +974,10 @@ class Drain:
                 owner_inode = txn.get_inode(owner)
                 if owner_inode is None or owner_inode.nlink == 0:
                     owner = None
+            if is_live and owner is None and not key.endswith("/") and schedule.is_marker(key, self.markers):
+                # The name is a marker again, not uploaded yet (a new save): the old marker
+                # must not stay visible next to the new shards meanwhile.
+                is_live = False
             if is_live or owner is not None:
                 drop.append((key, rec))
             else:
@@ -888,7 +995,10 @@ class Drain:
             except BaseException:
                 self.deleting_keys.clear()
                 raise
-            self.deleting_keys.difference_update(k for k, _ in drop)
+            # Still reserved: keys to delete, and keys whose unrecorded uploads are listed and
+            # aborted (an upload of ours must not start meanwhile).
+            reserved = {k for k, _ in delete} | {k for k, r in drop if r.get("multipart")}
+            self.deleting_keys.difference_update(k for k, _ in items if k not in reserved)
             try:
                 # A dropped tombstone (its name is live again) still carries a dead upload.
                 for key, rec in delete + drop:
@@ -899,6 +1009,10 @@ class Drain:
                         except StoreError as exc:
                             if exc.code != "NoSuchUpload":
                                 raise
+                    if rec.get("multipart"):
+                        # A crash between CreateMultipartUpload and recording its id.
+                        await self._retry(f"abort unrecorded uploads of {key}",
+                                          lambda key=key: self._abort_unknown_uploads(key, None))
                 for batch in schedule.order_tombstones([k for k, _ in delete], self.markers):
                     failed = await self._retry(f"delete {len(batch)} objects", lambda batch=batch: self._delete_batch(batch))
                     self.stats.deleted_objects += len(batch) - len(failed)

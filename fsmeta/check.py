@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from . import schema
-from .records import Inode
+from . import durability, schema
+from .records import FileState, Inode
 from .store import MetaStore
 from .txn import Txn
 
@@ -95,6 +95,14 @@ def fsmeta_problems_in(txn: Txn) -> list[str]:
                 problems.append(f"inode {ino}: no name and not an orphan (leaked)")
         if inode.nlink > 0 and ino in orphans:
             problems.append(f"inode {ino}: orphan with nlink {inode.nlink}")
+    for ino, inode in inodes.items():
+        if inode.state == FileState.DURABLE and inode.nlink > 0 and not inode.is_dir:
+            remote = txn.get_remote(ino)
+            pending = txn.get_pending(ino)
+            if inode.durable_generation != inode.generation or remote is None or remote.generation != inode.generation:
+                problems.append(f"inode {ino}: DURABLE but the bucket does not hold generation {inode.generation}")
+            elif pending is not None and pending.reason == durability.DATA:
+                problems.append(f"inode {ino}: DURABLE but pending for its data")
     for ino, _ in txn.iter_pending():
         if ino not in inodes:
             problems.append(f"pending record for missing inode {ino}")

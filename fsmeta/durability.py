@@ -47,7 +47,8 @@ def _queue(txn: Txn, ino: int, now_ns: int, reason: str) -> None:
         rec = PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=reason)
     else:
         rec.changed_ns = now_ns
-        if reason == DATA:
+        # DATA > META > RENAME: a move that must also carry new metadata rewrites every key.
+        if reason == DATA or (reason == META and rec.reason == RENAME):
             rec.reason = reason
     txn.put_pending(ino, rec)
 
@@ -85,7 +86,12 @@ def mark_moved(txn: Txn, ino: int, now_ns: int) -> None:
 
 
 def mark_meta_changed(txn: Txn, inode: Inode, now_ns: int) -> None:
-    """chmod, chown or utimes of a file: the object's metadata must follow."""
+    """chmod, chown or utimes of a file, or of a directory that has a ``dir/`` marker object:
+    the object's metadata must follow."""
+    if inode.is_dir:
+        if txn.get_remote(inode.ino) is not None:
+            _queue(txn, inode.ino, now_ns, META)
+        return
     _queue(txn, inode.ino, now_ns, META)
     if inode.state in (FileState.DURABLE, FileState.CACHED_CLEAN):
         inode.state = FileState.DIRTY
@@ -198,6 +204,80 @@ def mark_evicted(txn: Txn, inode: Inode) -> None:
         txn.put_inode(inode)
 
 
+# -- what the drain writes to the bucket ------------------------------------------------
+
+
+def begin_bucket_writes(txn: Txn, ino: int, keys: list[str], *, multipart_key: str | None = None) -> None:
+    """The drain is about to write ``keys`` for ``ino`` (PUT, multipart upload, copy).
+
+    Each key gets a tombstone naming its writer, kept while ``ino`` is pending under that
+    name (:func:`awaits_its_writer`) and cleared by :func:`end_bucket_writes`. If a crash
+    loses the commit, the object (or a multipart upload of ``multipart_key`` whose id was
+    never recorded) is still accounted for: once the name is gone, it is deleted (aborted).
+    """
+    for key in keys:
+        txn.add_tombstone(key, writer=ino, multipart=key == multipart_key)
+
+
+def end_bucket_writes(txn: Txn, ino: int, keys: list[str], live_keys: list[str], *,
+                      keep_multipart: bool = False) -> None:
+    """The writes of ``keys`` are committed (the bucket holds ``ino``'s content there): the
+    intents of keys that are still its names go; a key renamed meanwhile becomes a plain
+    tombstone (deleted unless it is live or a copy source again), and so does one whose
+    unrecorded multipart uploads are still to abort (``keep_multipart``, or a recorded dead
+    upload in it)."""
+    for key in keys:
+        rec = txn.get_tombstone(key)
+        if rec is None or rec.get("writer") != ino:
+            continue  # not ours (any more): e.g. the gateway's tombstone of an unlinked name
+        if key in live_keys and not rec.get("upload_id") and not (keep_multipart and rec.get("multipart")):
+            txn.remove_tombstone(key)
+        else:
+            txn.add_tombstone(key)  # (a recorded dead upload in it still gets aborted)
+
+
+def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
+    """A tombstone that is the intent of a write (:func:`begin_bucket_writes`) whose inode is
+    still pending under ``key``: not a delete (yet); the inode's upload decides."""
+    ino = rec.get("writer")
+    if ino is None or txn.get_pending(ino) is None:
+        return False
+    inode = txn.get_inode(ino)
+    if inode is None or inode.nlink == 0:
+        return False
+    if inode.is_dir:
+        path = txn.path_of(ino)
+        return path is not None and _decode(path) + "/" == key
+    return any(_decode(p) == key for p in txn.paths_of(ino))
+
+
+def key_shape_in_flux(txn: Txn, key: str) -> bool:
+    """The bucket still holds ``key``'s other shape, on its way out: objects below ``key/``
+    (``mv b c; mv f b``: ``b/x`` until it has moved) or a file object at a directory above
+    ``key`` (``mv a c; mv d a``: ``a`` until it has moved). A ``file://`` bucket cannot hold
+    both shapes; an S3 reader would see a file and a directory of one name. The writer of
+    ``key`` waits until they are gone (deleted, or moved to their inode's name)."""
+    base = key.rstrip("/")
+
+    def leaving(k: str, owner: int) -> bool:
+        return all(_decode(p) != k for p in txn.paths_of(owner))
+
+    if not key.endswith("/"):  # (a directory's marker ``d/`` and the objects below it coexist)
+        if next(txn.tombstones_below(base + "/"), None) is not None:
+            return True
+        if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
+            return True
+    parts = base.split("/")
+    for i in range(1, len(parts)):
+        above = "/".join(parts[:i])
+        if txn.get_tombstone(above) is not None:
+            return True
+        owner = txn.owner_of_remote_key(above)
+        if owner is not None and leaving(above, owner):
+            return True
+    return False
+
+
 # -- queries -----------------------------------------------------------------------------
 
 
@@ -273,7 +353,7 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def _pending_ancestor(txn: Txn, ino: int) -> bool:
+def pending_ancestor(txn: Txn, ino: int) -> bool:
     """A directory above ``ino`` is pending (renamed, not yet expanded by the drain)."""
     cur = txn.get_inode(ino)
     while cur is not None and cur.ino != schema.ROOT_INO:
@@ -296,7 +376,7 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
         in_flight[int(ino)] = progress.get("done", 0)
     ino = txn.resolve(rel.encode("utf-8", "surrogateescape")) if rel else schema.ROOT_INO
     if ino is not None:
-        ancestors_pending = bool(rel) and _pending_ancestor(txn, ino)
+        ancestors_pending = bool(rel) and pending_ancestor(txn, ino)
         inode = txn.get_inode(ino)
         items = [(rel, ino)]
         if inode is not None and inode.is_dir:
@@ -322,6 +402,8 @@ def pending_under(txn: Txn, rel: str) -> Backlog:
             out.files.append((path or "/", size, state))
             out.bytes += size
     for key, rec in txn.iter_tombstones():
+        if awaits_its_writer(txn, key, rec):
+            continue  # the key of a pending file's write in flight: that file is listed
         if not rel or key == rel or key.startswith(prefix):
             out.deletes.append(key)
             since = rec.get("since_ns")

@@ -42,7 +42,12 @@ database      key                             value
                                               part size, generation, finished parts)
 ``tombstones`` key bytes (relative to prefix) JSON: an object to delete from the bucket
                                               (old name of a renamed durable file,
-                                              unlinked file, removed dir marker)
+                                              unlinked file, removed dir marker):
+                                              ``since_ns``, ``upload_id`` (a dead upload
+                                              to abort), ``multipart`` (abort the key's
+                                              uploads fsmeta does not know), ``writer``
+                                              (ino: the drain is writing this key for it;
+                                              no delete while it is pending under it)
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
 ``errors``    ino                             utf-8: the last permanent upload error, or a
@@ -58,8 +63,13 @@ Invariants kept by every write transaction:
 * ``nlink`` of a file equals the number of dirents pointing to it; a file with
   ``nlink == 0`` is in ``orphans`` until purged.
 * An inode is in ``pending`` whenever its bucket object is not known to match
-  its current name and generation. ``Inode.state`` is ``DURABLE`` only when it
-  is not in ``pending``.
+  its current name and generation; "durable" (``wait-durable``, ``user.ckptfs.state``)
+  means "not in ``pending``".
+* ``Inode.state`` is about content, not names: a linked file is ``DURABLE`` only when
+  the bucket holds its current generation (``durable_generation == generation`` and
+  its ``remote`` record is of that generation). It stays ``DURABLE`` while it is in
+  ``pending`` for a new name (reason ``rename``: the drain copies the object), never
+  with reason ``data``.
 """
 
 import struct

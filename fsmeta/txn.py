@@ -286,11 +286,31 @@ class Txn:
         for key, value in cursor:
             yield schema.key_ino(key), UploadRecord.from_bytes(value)
 
-    def add_tombstone(self, key: str, *, upload_id: str | None = None, now_ns: int | None = None) -> None:
-        rec = {"since_ns": now_ns or time.time_ns()}
+    def add_tombstone(self, key: str, *, upload_id: str | None = None, now_ns: int | None = None,
+                      writer: int | None = None, multipart: bool = False) -> None:
+        """Queue ``key`` for deletion from the bucket.
+
+        ``writer``: the drain is about to write ``key`` for that inode (an intent: if a crash
+        loses the commit, the object it wrote is still accounted for); the drain keeps such a
+        tombstone while the inode is pending under that name, and removes it when it commits.
+        ``multipart``: a CreateMultipartUpload of ``key`` may have been sent whose id is not
+        recorded. A tombstone added over another keeps what the older one said about multipart
+        uploads (``upload_id``, ``multipart``); only ``writer`` is replaced.
+        """
+        old = self.get_tombstone(key) or {}
+        rec: dict = {"since_ns": now_ns or time.time_ns()}
+        upload_id = upload_id or old.get("upload_id")
         if upload_id:
             rec["upload_id"] = upload_id
+        if multipart or old.get("multipart"):
+            rec["multipart"] = True
+        if writer is not None:
+            rec["writer"] = writer
         self._put("tombstones", key.encode(), json.dumps(rec).encode())
+
+    def get_tombstone(self, key: str) -> dict | None:
+        raw = self._get("tombstones", key.encode())
+        return json.loads(bytes(raw)) if raw is not None else None
 
     def remove_tombstone(self, key: str) -> None:
         self._delete("tombstones", key.encode())
@@ -299,6 +319,15 @@ class Txn:
         cursor = self.raw.cursor(db=self.dbs["tombstones"])
         for key, value in cursor:
             yield bytes(key).decode(), json.loads(bytes(value))
+
+    def tombstones_below(self, prefix: str) -> Iterator[tuple[str, dict]]:
+        for key, value in self._iter_prefix("tombstones", prefix.encode()):
+            yield bytes(key).decode(), json.loads(bytes(value))
+
+    def remote_keys_below(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """(key, owner) of the recorded bucket objects whose key starts with ``prefix``."""
+        for key, value in self._iter_prefix("remote_keys", prefix.encode()):
+            yield bytes(key).decode(), schema.unpack_u64(value)
 
     def forget_remote_object(self, ino: int) -> None:
         """The inode's bucket object (and any in-flight upload) must go: tombstone them."""

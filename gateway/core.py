@@ -257,9 +257,10 @@ class FsCore:
             if req.mtime_ns is not None:
                 inode.mtime_ns = req.mtime_ns
             inode.ctime_ns = req.ctime_ns if req.ctime_ns is not None else now
-            if not (inode.is_dir or inode.is_symlink) and (req.mode is not None or req.uid is not None or req.gid is not None
-                                 or req.mtime_ns is not None) and req.size is None:
-                # Object metadata (mode/uid/gid/mtime) of a file, FIFO, socket or device must follow.
+            if not inode.is_symlink and (req.mode is not None or req.uid is not None or req.gid is not None
+                                         or req.mtime_ns is not None) and req.size is None:
+                # Object metadata (mode/uid/gid/mtime) of a file, FIFO, socket, device or
+                # directory marker must follow.
                 durability.mark_meta_changed(txn, inode, now)
             txn.put_inode(inode)
             return inode

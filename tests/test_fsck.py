@@ -181,6 +181,23 @@ def test_broken_fsmeta_invariant_is_reported(denv):  # noqa: F811
     assert "no reverse link record" in report["findings"][0]["detail"]
 
 
+def test_a_durable_state_the_bucket_does_not_back_is_an_invariant_finding(denv):  # noqa: F811
+    ino = denv.write_file("job/f", b"data")
+    denv.write_file("job/g", b"moved")
+    denv.drain()
+    denv.rename("job/g", "job/h")  # DURABLE while pending for its new name: that holds
+    assert fsmeta_problems(denv.meta) == []
+
+    def bump(txn):  # the generation moved but the state still says DURABLE: a bug
+        inode = txn.get_inode(ino)
+        inode.generation += 1
+        txn.put_inode(inode)
+        return inode.generation
+
+    generation = denv.meta.write(bump)
+    assert fsmeta_problems(denv.meta) == [f"inode {ino}: DURABLE but the bucket does not hold generation {generation}"]
+
+
 def test_repair_is_refused_while_a_drain_holds_the_cache_but_checking_is_not(denv):  # noqa: F811
     denv.write_file("job/f", b"data")
     (denv.cache / "data" / "ffff").write_bytes(b"orphan")

@@ -2,7 +2,7 @@
 
 Each is ``xfail(strict=True)`` while its defect is open: when a fix lands, the test passes,
 the strict xfail fails, and the marker must go (and the model's constraint naming the defect
-with it).
+with it). None is open now.
 """
 
 from __future__ import annotations
@@ -17,21 +17,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
+from ckptfs.drain.store import StoreError  # noqa: E402
 from ckptfs.gateway.core import SetattrRequest  # noqa: E402
 
 
-def marker_checker(env, directory: str, shards: dict[str, bytes]):
+def marker_checker(env, directory: str, saves: dict[bytes, dict[str, bytes]]):
     """An after-hook for every store write: while ``directory/.metadata`` is visible, the
-    shards it commits must be there with their content (what a checkpoint reader relies on)."""
+    shards of the save it names (``saves``: marker content -> shard -> content) must be there
+    with their content (what a checkpoint reader relies on)."""
     seen = []
 
     async def check(key, extra, result):
-        if (env.bucket / directory / ".metadata").exists():
-            for name, content in shards.items():
-                path = env.bucket / directory / name
-                if not path.exists() or path.read_bytes() != content:
-                    seen.append(f"after a write of {key}: {directory}/.metadata visible, {name} is not the "
-                                "committed shard")
+        marker = env.bucket / directory / ".metadata"
+        if not marker.exists():
+            return
+        for name, content in saves[marker.read_bytes()].items():
+            path = env.bucket / directory / name
+            if not path.exists() or path.read_bytes() != content:
+                seen.append(f"after a write of {key}: {directory}/.metadata visible, {name} is not the "
+                            "committed shard")
 
     return seen, check
 
@@ -44,31 +48,45 @@ def recording(env, check) -> RecStore:
 
 
 
-def drain_crashing_after(env, op: str) -> BaseException:
-    """Run the drain until its first ``op`` request has reached the store, then crash it there
-    (before fsmeta records the result). Returns what the crash raised."""
+def drain_crashing_after(env, op: str, key: str | None = None) -> BaseException:
+    """Run the drain until its first ``op`` request (of ``key``, if given) has reached the
+    store, then crash it there (before fsmeta records the result). Returns what the crash
+    raised."""
     rec = RecStore(None)
 
-    async def crash(key, extra, result):
-        raise Crash()
+    async def crash(done_key, extra, result):
+        if key is None or done_key == key:
+            raise Crash()
 
     rec.after_hooks[op] = crash
-    with pytest.raises(BaseException) as exc:
+    with pytest.raises(BaseException) as exc:  # a Crash, maybe inside exception groups
         env.drain(rec=rec)
     return exc.value
 
 
-@pytest.mark.xfail(strict=True, reason="defect 3: re-saving into a checkpoint dir leaves the old marker "
-                                        "visible while shards change")
 def test_resaving_a_checkpoint_never_shows_the_old_marker_with_new_shards(denv):  # noqa: F811
     denv.write_file("ck/s0", b"first save")
     denv.write_file("ck/.metadata", b"save 1")
     denv.drain()
-    seen, check = marker_checker(denv, "ck", {"s0": b"first save"})
+    seen, check = marker_checker(denv, "ck", {b"save 1": {"s0": b"first save"},
+                                              b"save 2": {"s0": b"second save"}})
     denv.write_file("ck/s0", b"second save")  # the trainer saves again into the same directory
     denv.write_file("ck/.metadata", b"save 2")
     denv.drain(rec=recording(denv, check))
     assert seen == []
+
+
+def test_resaving_a_checkpoint_whose_marker_upload_a_crash_cut_off_never_shows_the_old_marker(denv):  # noqa: F811
+    denv.write_file("ck/s0", b"first save")
+    denv.write_file("ck/.metadata", b"save 1")
+    drain_crashing_after(denv, "put_object", "ck/.metadata")  # in the bucket; fsmeta never recorded it
+    seen, check = marker_checker(denv, "ck", {b"save 1": {"s0": b"first save"},
+                                              b"save 2": {"s0": b"second save"}})
+    denv.write_file("ck/s0", b"second save")
+    denv.write_file("ck/.metadata", b"save 2")
+    denv.drain(rec=recording(denv, check))
+    assert seen == []
+    assert denv.object_bytes("ck/.metadata") == b"save 2"
 
 
 def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_bucket(denv):  # noqa: F811
@@ -89,13 +107,15 @@ def test_a_cache_file_shorter_than_its_recorded_size_does_not_stop_the_drain(den
     assert "other" in denv.listing()
 
 
-@pytest.mark.xfail(strict=True, reason="defect 10: a file unlinked while its upload runs leaves its cache file")
 def test_a_file_unlinked_while_it_uploads_leaves_no_cache_file(denv):  # noqa: F811
     denv.write_file("big", b"z" * (6 * MiB))
     rec = RecStore(None)
 
+    ino = denv.ino("big")
+
     async def unlink_now(key, extra):
         await trio.to_thread.run_sync(denv.unlink, "big")
+        denv.core.forget([(ino, 1)])  # the kernel drops its last reference (no handle is open)
 
     rec.hooks["create_multipart"] = unlink_now
     denv.drain(rec=rec)
@@ -104,8 +124,6 @@ def test_a_file_unlinked_while_it_uploads_leaves_no_cache_file(denv):  # noqa: F
     assert os.listdir(denv.cache / "data") == []
 
 
-@pytest.mark.xfail(strict=True, reason="defect 10: a multipart upload whose id was never recorded leaks once "
-                                        "its file is unlinked")
 def test_an_upload_started_before_a_drain_crash_does_not_outlive_its_unlinked_file(denv):  # noqa: F811
     denv.write_file("big", b"z" * (6 * MiB))
     exc = drain_crashing_after(denv, "create_multipart")
@@ -116,8 +134,6 @@ def test_an_upload_started_before_a_drain_crash_does_not_outlive_its_unlinked_fi
     assert denv.open_uploads() == []
 
 
-@pytest.mark.xfail(strict=True, reason="found by the drain model (not on the known list): chmod/chown of a "
-                                        "directory does not requeue its marker, whose mode metadata stays old")
 def test_chmod_of_an_empty_directory_reaches_its_marker(denv):  # noqa: F811
     denv.mkdir("d")
     denv.drain()
@@ -136,21 +152,17 @@ def test_a_directory_renamed_over_a_moved_files_name_reaches_the_bucket(denv):  
     assert sorted(denv.listing()) == ["a/b", "c"]
 
 
-@pytest.mark.xfail(strict=True, reason="found by the drain model (rename of a durable checkpoint): the old "
-                                        "shards are deleted while the old marker is still visible")
 def test_a_renamed_checkpoint_never_shows_its_old_marker_without_its_shards(denv):  # noqa: F811
     denv.write_file("ck0/s0", b"shard")
     denv.write_file("ck0/.metadata", b"meta")
     denv.drain()
     denv.rename("ck0", "ck1")
-    seen, check = marker_checker(denv, "ck0", {"s0": b"shard"})
+    seen, check = marker_checker(denv, "ck0", {b"meta": {"s0": b"shard"}})
     denv.drain(rec=recording(denv, check))
     assert seen == []
     assert sorted(denv.listing()) == ["ck1/.metadata", "ck1/s0"]
 
 
-@pytest.mark.xfail(strict=True, reason="defect 10 (variant by rename): a multipart upload whose id was never "
-                                        "recorded leaks once its file's directory is renamed")
 def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
     denv.write_file("ck0/big", b"z" * (6 * MiB))
     drain_crashing_after(denv, "create_multipart")
@@ -160,8 +172,6 @@ def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rename(denv):
     assert denv.open_uploads() == []
 
 
-@pytest.mark.xfail(strict=True, reason="found by the drain model: an object PUT whose fsmeta commit a crash "
-                                        "interrupted stays in the bucket for ever once its directory is renamed")
 def test_an_object_written_before_a_drain_crash_does_not_outlive_a_rename(denv):  # noqa: F811
     denv.write_file("ck0/f", b"small")
     drain_crashing_after(denv, "put_object")
@@ -169,3 +179,69 @@ def test_an_object_written_before_a_drain_crash_does_not_outlive_a_rename(denv):
     denv.rename("ck0", "ck1")
     denv.drain()
     assert denv.listing() == ["ck1/f"]
+
+
+def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  # noqa: F811
+    # (file:// refuses the key ``b`` while ``b/x`` exists: the drain must settle in order)
+    denv.write_file("b/x", b"in b")
+    denv.write_file("f", b"file")
+    denv.drain()
+    denv.rename("b", "c")
+    denv.rename("f", "b")
+    rec = denv.drain(timeout=10)
+    assert sorted(denv.listing()) == ["b", "c/x"]
+    assert denv.object_bytes("b") == b"file"
+    # ``b`` waited for ``b/x`` to move instead of failing (KeyConflict: an error shown, a retry
+    # seconds later)
+    assert [e for e in rec.events if e[2] == "error"] == []
+
+
+def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
+    denv.write_file("ck0/s0", b"first save")
+    denv.write_file("ck0/.metadata", b"save 1")
+    denv.drain()
+    denv.rename("ck0", "ck2")
+    denv.write_file("ck0/s0", b"second save")  # a new checkpoint under the old name
+    denv.write_file("ck0/.metadata", b"save 2")
+    saves = {b"save 1": {"s0": b"first save"}, b"save 2": {"s0": b"second save"}}
+    seen_old, check_old = marker_checker(denv, "ck0", saves)
+    seen_new, check_new = marker_checker(denv, "ck2", saves)
+
+    async def check(key, extra, result):
+        await check_old(key, extra, result)
+        await check_new(key, extra, result)
+
+    denv.drain(rec=recording(denv, check))
+    assert seen_old == [] and seen_new == []
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "ck0/.metadata": b"save 2", "ck0/s0": b"second save", "ck2/.metadata": b"save 1", "ck2/s0": b"first save"}
+
+
+@pytest.mark.parametrize("new_size", [6 * MiB, 10], ids=["multipart-again", "single-put"])
+def test_an_upload_started_before_a_drain_crash_does_not_outlive_a_rewrite(denv, new_size):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    drain_crashing_after(denv, "create_multipart")
+    denv.write_file("big", b"y" * new_size)  # written again before the next drain: a new generation
+    denv.drain()
+    assert denv.object_bytes("big") == b"y" * new_size
+    assert denv.open_uploads() == []
+
+
+def test_unrecorded_uploads_whose_abort_failed_are_aborted_later(denv):  # noqa: F811
+    denv.write_file("big", b"z" * (6 * MiB))
+    drain_crashing_after(denv, "create_multipart")
+    denv.write_file("big", b"y" * (6 * MiB))
+    rec = RecStore(None)
+    throttled = [True]
+
+    async def list_uploads_throttled_once(prefix):
+        if throttled and prefix == "big":
+            throttled.pop()  # the abort after the upload fails; its tombstone retries it
+            raise StoreError("injected throttle", code="SlowDown", status=503, op="ListMultipartUploads")
+        return await rec._inner.list_multipart_uploads(prefix)
+
+    rec.list_multipart_uploads = list_uploads_throttled_once
+    denv.drain(rec=rec)
+    assert throttled == []
+    assert denv.open_uploads() == []
+
