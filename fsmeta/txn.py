@@ -271,6 +271,10 @@ class Txn:
         raw = self._get("remote_keys", key.encode())
         return schema.unpack_u64(raw) if raw is not None else None
 
+    def remote_keys_under(self, prefix: str) -> bool:
+        """Some inode's content is an object whose key starts with ``prefix``."""
+        return next(self._iter_prefix("remote_keys", prefix.encode()), None) is not None
+
     def get_upload(self, ino: int) -> UploadRecord | None:
         raw = self._get("uploads", schema.ino_key(ino))
         return UploadRecord.from_bytes(raw) if raw is not None else None
@@ -291,6 +295,10 @@ class Txn:
         if upload_id:
             rec["upload_id"] = upload_id
         self._put("tombstones", key.encode(), json.dumps(rec).encode())
+
+    def tombstones_under(self, prefix: str) -> set[str]:
+        """Keys starting with ``prefix`` that are queued for deletion."""
+        return {bytes(k).decode() for k, _ in self._iter_prefix("tombstones", prefix.encode())}
 
     def remove_tombstone(self, key: str) -> None:
         self._delete("tombstones", key.encode())

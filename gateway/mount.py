@@ -231,7 +231,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     except Exception as exc:
         meta.close()
         return fail(f"bucket {settings.bucket_url}: cannot open it for reading: {exc}")
-    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket)
+    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket,
+                  remote_ttl=float(settings.remote_ttl))
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)
