@@ -279,11 +279,11 @@ class RemoteNames:
                 self.mark_listed(dir_ino, started)
                 return
         listed_modified = {e.key: e.modified for e in entries.values()}
-        purge, stale = meta.write(lambda txn: self._apply(txn, dir_ino, path, plan, fetched, present))
+        purge, stale, seen = meta.write(lambda txn: self._apply(txn, dir_ino, path, plan, fetched, present))
         with self._lock:
             for ino in purge:
                 self._modified.pop(ino, None)
-            for ino, key in stale:
+            for ino, key in stale + seen:
                 if listed_modified.get(key) is not None:
                     self._modified[ino] = listed_modified[key]
         for ino in purge:
@@ -420,16 +420,17 @@ class RemoteNames:
     # -- the write transaction ------------------------------------------------------------
 
     def _apply(self, txn: Txn, dir_ino: int, path: bytes, plan: Plan, fetched: dict[str, Fetched],
-               present: dict[str, bool]) -> tuple[list[int], list[tuple[int, str]]]:
-        """Merge one listing: returns (inodes to purge, (inode, key) of the files made or changed:
-        no cache file of theirs is current)."""
+               present: dict[str, bool]) -> tuple[list[int], list[tuple[int, str]], list[tuple[int, str]]]:
+        """Merge one listing: returns the inodes to purge, the (inode, key) of files made or with
+        new content (no cache file of theirs is current), and of files only re-attributed."""
         purge: list[int] = []
-        stale: list[tuple[int, str]] = []
+        stale: list[tuple[int, str]] = []  # new or with new content: no cache file is current
+        seen: list[tuple[int, str]] = []  # attributes refreshed, content unchanged
         if txn.path_of(dir_ino) != path:
-            return purge, stale
+            return purge, stale, seen
         parent = txn.get_inode(dir_ino)
         if parent is None or parent.nlink == 0:
-            return purge, stale
+            return purge, stale, seen
         with self._state.lock:
             open_files = set(self._state.open_files)
         for entry in plan.new:
@@ -452,7 +453,18 @@ class RemoteNames:
             if (got is None or got.info is None or inode is None or txn.lookup(dir_ino, entry.name) != ino
                     or txn.get_pending(ino) is not None or ino in open_files):
                 continue
+            record = txn.get_remote(ino)
+            same_content = (record is not None and record.blake3 and got.info.size == record.size
+                            and got.info.metadata.get("blake3") == record.blake3)
             self._set_attrs(inode, got.info, got.target)
+            if same_content:
+                # A copy (a rename's, a chmod's on another node) may carry a new etag: the
+                # content, and with it the cache file and the generation, stay.
+                record.etag = got.info.etag
+                txn.put_remote(ino, record)
+                txn.put_inode(inode)
+                seen.append((ino, entry.key))
+                continue
             durability.mark_remote_changed(txn, inode, self._record(entry.key, got.info))
             stale.append((ino, entry.key))
         for name, ino, key in plan.gone:
@@ -467,7 +479,7 @@ class RemoteNames:
             txn.remove_entry(dir_ino, name)
             purge.append(self._drop_name(txn, inode))
         txn.put_inode(parent)
-        return purge, [(ino, key) for ino, key in stale if ino is not None]
+        return purge, [(ino, key) for ino, key in stale if ino is not None], seen
 
     def _drop_name(self, txn: Txn, inode: Inode) -> int:
         """One name of ``inode`` vanished from the bucket (not deleted here: no tombstone)."""

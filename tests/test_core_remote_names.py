@@ -427,3 +427,22 @@ def test_a_remote_file_whose_object_vanished_before_its_move_shows_an_error(node
     node.advance()
     assert node.ls("ckpt") == ["keep"]  # nothing in the bucket: it goes at the next listing
     assert node.problems() == []
+
+
+def test_new_metadata_on_the_same_content_keeps_the_cache(node):
+    # Another node's chmod reaches the bucket as a copy with new metadata (and a new
+    # LastModified, maybe a new etag): the content, the cache file and the generation stay.
+    node.ls("")
+    ino = write(node, "f", b"data")
+    node.drain()
+    node.advance()
+    assert node.ls("") == ["f"]
+    generation = node.inode("f").generation
+    info = node.bucket.head("f")
+    node.put("f", b"data", {**info.metadata, "mode": str(stat.S_IFREG | 0o600), "uid": "99"})
+    node.advance()
+    assert node.ls("") == ["f"]
+    attr = node.walk("f")
+    assert (attr.mode, attr.uid) == (stat.S_IFREG | 0o600, 99)
+    assert node.inode("f").state == FileState.DURABLE and node.inode("f").generation == generation
+    assert (Path(node.core.cache_dir) / "data" / f"{ino:x}").read_bytes() == b"data"
