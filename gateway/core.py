@@ -21,18 +21,20 @@ stay here: they are the glue between the parts.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import threading
 import time
 from dataclasses import dataclass
 
-from ckptfs.fsmeta import Inode, MetaStore, Txn, durability
+from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
 
 from . import datapath, recovery
 from .bucket import BucketClient
 from .errors import FsError
+from .fetch import Fetcher, ReadSettings
 from .files import Handle, OpenFiles
 from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
@@ -41,6 +43,7 @@ from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F40
 from .state import CoreState, need_dir, need_inode
 from .xattrs import (  # noqa: F401
     BLAKE3_XATTR,
+    PREFETCH_XATTR,
     STATE_XATTR,
     XATTR_CREATE,
     XATTR_NAME_MAX,
@@ -91,13 +94,16 @@ class SetattrRequest:
 
 class FsCore:
     def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns,
-                 bucket: BucketClient | None = None, remote_ttl: float = DEFAULT_REMOTE_TTL):
+                 bucket: BucketClient | None = None, read: ReadSettings | None = None,
+                 remote_ttl: float = DEFAULT_REMOTE_TTL):
         self.cache_dir = cache_dir
         self.cache = CacheDir(cache_dir)
         self.data_dir = self.cache.data_dir
         self.cache.make_dirs()
         self.meta = meta
         self._state = CoreState(self.cache, meta, clock, bucket=bucket)
+        if bucket is not None:
+            self._state.fetcher = Fetcher(self._state, bucket, read)
         self._open = self._state.open_files  # by inode; read by tests
         self._keys = BucketKeys(key_prefix.strip("/"))
         self._lookups = LookupCounts(self._state)
@@ -173,7 +179,7 @@ class FsCore:
             of = self._open.get(inode.ino)
             size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
             if of is not None:
-                if self._state.backing is not None:
+                if self._state.backing is not None and of.remote is None:
                     datapath.refresh(of)  # writes went straight to the cache file
                 size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
@@ -238,6 +244,8 @@ class FsCore:
         if req.size is not None and of is not None:
             # Persist in-memory attributes first so the truncate below is the latest state.
             self._files.persist(of)
+        if req.size is not None:
+            self._keep_remote_prefix(ino, req.size)
 
         def apply(txn: Txn) -> Inode:
             inode = need_inode(txn, ino)
@@ -295,6 +303,42 @@ class FsCore:
         with self._state.lock:
             return self._attr(inode)
 
+    def _keep_remote_prefix(self, ino: int, size: int) -> None:
+        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, then
+        hand its cache file to the ordinary write path."""
+        with self.meta.read() as txn:
+            inode = need_inode(txn, ino)
+        if inode.state != FileState.REMOTE:
+            return
+        fetcher = self._state.fetcher
+        if fetcher is None:
+            if size:
+                raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+            return
+        if size:
+            rf = fetcher.acquire(inode)
+            try:
+                fetcher.fetch_range(rf, size)
+            finally:
+                fetcher.release(rf)
+        fetcher.detach(ino)
+
+    def fetch(self, ino: int) -> int:
+        """Have the whole content of a REMOTE file in the cache, checked and cached-clean
+        (``ckptfs prefetch``, open for writing). Returns the bytes fetched from the bucket."""
+        with self.meta.read() as txn:
+            inode = need_inode(txn, ino)
+        if not inode.is_reg or inode.state != FileState.REMOTE:
+            return 0
+        fetcher = self._state.fetcher
+        if fetcher is None:
+            raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+        rf = fetcher.acquire(inode)
+        try:
+            return fetcher.fetch_all(rf)
+        finally:
+            fetcher.release(rf)
+
     def readlink(self, ino: int) -> bytes:
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
@@ -344,6 +388,15 @@ class FsCore:
             raise FsError(errno.EISDIR)
         if not inode.is_reg:
             raise FsError(errno.EINVAL)
+        if inode.state == FileState.REMOTE and (flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY):
+            # Written locally from now on: O_TRUNC needs none of the old content, any other
+            # open for writing gets all of it first (an ordinary local file after that).
+            if flags & os.O_TRUNC:
+                self.setattr(ino, SetattrRequest(size=0))
+            else:
+                self.fetch(ino)
+            with self.meta.read() as txn:
+                inode = need_inode(txn, ino)
         fh = self._files.open_handle(inode, flags)
         # libfuse negotiates atomic_o_trunc: O_TRUNC arrives here instead of as a setattr,
         # and the kernel has already set its size to 0. Linux truncates with O_RDONLY too
@@ -421,6 +474,10 @@ class FsCore:
     # -- extended attributes ----------------------------------------------------------------
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name == PREFETCH_XATTR:
+            fetched = self.fetch(ino)
+            size = self.getattr(ino).size
+            return json.dumps({"bytes": size, "fetched": fetched}, separators=(",", ":")).encode()
         return self._xattrs.getxattr(ino, name)
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:

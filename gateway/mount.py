@@ -30,6 +30,7 @@ from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 from . import datapath, metrics, passthrough
 from .bucket import BucketClient
 from .core import FsCore
+from .fetch import ReadSettings
 from .fuse_ops import CkptOperations
 from .supervisor import DrainSupervisor
 
@@ -232,7 +233,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         meta.close()
         return fail(f"bucket {settings.bucket_url}: cannot open it for reading: {exc}")
     core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket,
-                  remote_ttl=float(settings.remote_ttl))
+                  read=ReadSettings.from_settings(settings), remote_ttl=float(settings.remote_ttl))
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)

@@ -21,6 +21,7 @@ from .errors import FsError
 if TYPE_CHECKING:
     from .bucket import BucketClient
     from .datapath import Backing
+    from .fetch import Fetcher
     from .files import Handle, OpenFile
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
@@ -43,6 +44,7 @@ class CoreState:
     unsynced_cache_names: set[int] = field(default_factory=set)
     backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
     bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
+    fetcher: Fetcher | None = None  # fetches REMOTE files into the cache (gateway/fetch.py); needs bucket
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
@@ -93,6 +95,8 @@ class CoreState:
             os.close(dir_fd)
 
     def remove_data(self, ino: int) -> None:
+        if self.fetcher is not None:
+            self.fetcher.discard(ino)
         with self.lock:
             self.unsynced_cache_names.discard(ino)
         try:

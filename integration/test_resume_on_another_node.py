@@ -2,8 +2,7 @@
 cache directory. What A saves and drains, B (an empty cache: a new node, or a replaced cache
 disk) shows with the same names and sizes, and loads bit for bit.
 
-Loading the content through B needs the read-through branch (readpath); those tests are
-marked xfail(strict) until it is merged. The visibility tests pass on their own.
+B reads the content through the read path (ranged GETs into its cache, blake3-checked).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from integration.test_drain_common import (  # noqa: F401 - fixtures
 pytestmark = [needs_fuse, pytest.mark.radosgw]
 
 FAST = {"settle_seconds": 0.2, "part_size": "5MiB", "concurrency": 4}
-NEEDS_READ_THROUGH = pytest.mark.xfail(reason="needs read-through (branch readpath)", strict=True)
 
 # One rank of a 2-rank DCP save (gloo on 127.0.0.1): argv rank world port checkpoint_dir.
 DCP_SAVE_RANK = r"""
@@ -90,7 +88,6 @@ def test_dcp_checkpoint_saved_through_a_is_visible_on_b(s3_server, s3_bucket, mo
     assert os.getxattr(b.mnt / "step_10" / "__1_0.distcp", "user.ckptfs.state") == b"remote"
 
 
-@NEEDS_READ_THROUGH
 def test_dcp_checkpoint_saved_through_a_loads_through_b_bit_for_bit(s3_server, s3_bucket, mounts):
     import torch
     import torch.distributed.checkpoint as dcp
@@ -127,7 +124,6 @@ def test_torch_save_through_a_is_visible_on_b(s3_server, s3_bucket, mounts):
         sa.st_size, sa.st_mode, sa.st_uid, sa.st_gid, sa.st_mtime_ns)
 
 
-@NEEDS_READ_THROUGH
 def test_torch_save_through_a_loads_through_b_bit_for_bit(s3_server, s3_bucket, mounts):
     import torch
 

@@ -2,8 +2,8 @@
 
 Node B mounts the bucket with an empty cache (another node resuming a job, or the same
 node after its cache disk was replaced) and must show A's files with the size, mode,
-uid, gid and mtime A gave them; A's renames and deletes show on B after the TTL.
-Reading the content through B is the read-through branch's (integration tests).
+uid, gid and mtime A gave them, and the same bytes; A's renames and deletes show on B after
+the TTL.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def test_a_checkpoint_drained_by_a_shows_on_b_with_its_attributes(two_nodes):
     assert os.readlink(b.mnt / "run" / "latest") == "step_1"
     assert stat.S_IMODE(os.stat(b.mnt / "run" / "empty").st_mode) == 0o700
     assert os.getxattr(b.mnt / "run" / "step_1" / "model.pt", "user.ckptfs.state") == b"remote"
+    for name in (".metadata", "model.pt", "optim.pt"):  # the read path fetches them
+        assert (b.mnt / "run" / "step_1" / name).read_bytes() == (step / name).read_bytes(), name
 
 
 def test_renames_and_deletes_on_a_show_on_b_after_the_ttl(two_nodes):
