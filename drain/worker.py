@@ -654,7 +654,9 @@ class Drain:
     def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
         """The bucket no longer holds this inode's content: the next round uploads it."""
         inode = txn.get_inode(ino)
-        if inode is not None:
+        if inode is not None and inode.state == FileState.REMOTE:
+            durability.mark_remote_lost(txn, inode)  # the cache never held it: nothing to upload
+        elif inode is not None:
             durability.mark_needs_upload(txn, inode, self.clock())
         else:
             txn.delete_remote(ino)

@@ -10,6 +10,8 @@ drain both call them, and nothing else assigns ``Inode.state``::
                           │  └──────────────────────────────────────┘ (generation moved)          │
                           └──── mark_dirty / mark_needs_upload / mark_meta_changed ───────────────┘
   REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
+  (listing) ──mark_remote──> REMOTE;  REMOTE|CACHED_CLEAN|DURABLE ──mark_remote_changed──> REMOTE
+  REMOTE ──mark_remote_lost──> (same, error RemoteObjectGone: its object vanished before a move)
   any state ──mark_error──> (same state, plus a visible permanent error until the next success)
   REMOTE ──mark_remote_corrupt──> (same, error RemoteHashMismatch: fetched content failed its blake3)
   DIRTY ──mark_cache_lost──> (same, error CacheFileShort/CacheFileMissing: never uploaded until rewritten)
@@ -122,10 +124,15 @@ def upload_superseded(txn: Txn, inode: Inode) -> None:
 
 def mark_durable(txn: Txn, inode: Inode, generation: int, record: RemoteRecord) -> None:
     """The bucket holds ``generation`` at ``record.key``. Leaves the queue to the caller,
-    which clears it only if nothing else (a rename, new metadata) is waiting."""
+    which clears it only if nothing else (a rename, new metadata) is waiting.
+
+    A REMOTE or CACHED_CLEAN file whose content did not change (a rename or new metadata,
+    copied in the bucket) keeps its state: DURABLE would claim the cache holds it whole."""
     txn.put_remote(inode.ino, record)
+    moved_only = inode.state in (FileState.REMOTE, FileState.CACHED_CLEAN) and inode.durable_generation == generation
     inode.durable_generation = generation
-    inode.state = FileState.DURABLE
+    if not moved_only:
+        inode.state = FileState.DURABLE
     txn.put_inode(inode)
     txn.clear_error(inode.ino)
 
@@ -175,6 +182,26 @@ def mark_remote(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
     inode.durable_generation = inode.generation
     inode.state = FileState.REMOTE
     txn.put_inode(inode)
+
+
+REMOTE_OBJECT_GONE = "RemoteObjectGone"
+
+
+def mark_remote_lost(txn: Txn, inode: Inode) -> None:
+    """A REMOTE file's object vanished from the bucket before the drain could copy it to a new
+    name (deleted outside ckptfs): its content is nowhere. Off the queue, with a visible
+    permanent error (uploading it from the cache is impossible: the cache never held it)."""
+    txn.delete_remote(inode.ino)
+    txn.clear_pending(inode.ino)
+    txn.set_error(inode.ino, REMOTE_OBJECT_GONE)
+
+
+def mark_remote_changed(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
+    """Another node replaced the object of a settled file (REMOTE, CACHED_CLEAN or DURABLE):
+    a new generation, REMOTE again (the caller drops any cache file)."""
+    inode.generation += 1
+    record.generation = inode.generation
+    mark_remote(txn, inode, record)
 
 
 def mark_cached_clean(txn: Txn, inode: Inode) -> None:
@@ -351,6 +378,11 @@ def backlog_summary(txn: Txn) -> BacklogSummary:
 
 def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
+
+
+def pending_at_or_above(txn: Txn, ino: int) -> bool:
+    """``ino`` or a directory above it is pending (e.g. renamed, its objects not moved yet)."""
+    return txn.get_pending(ino) is not None or pending_ancestor(txn, ino)
 
 
 def pending_ancestor(txn: Txn, ino: int) -> bool:

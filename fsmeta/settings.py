@@ -160,6 +160,9 @@ class Settings:
     metrics_addr: str = "127.0.0.1:9810"
     allow_other: bool | None = None  # None: on when run as root
     data_path: str = "auto"  # auto | passthrough | writeback (gateway/passthrough.py)
+    # seconds a directory listing of the bucket answers lookups (incl. misses) before the
+    # next one (gateway/listing.py)
+    remote_ttl: float = 3.0
     # drain
     settle_seconds: float = 1.0
     part_size: int = 64 * MIB
@@ -200,6 +203,9 @@ class Settings:
                 raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
         if self.data_path not in DATA_PATHS:
             raise ConfigError(f"mount.data_path: must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}")
+        if isinstance(self.remote_ttl, bool) or not isinstance(self.remote_ttl, (int, float)) \
+                or not 0 <= float(self.remote_ttl) <= 86400:
+            raise ConfigError(f"mount.remote_ttl: must be 0..86400 seconds, got {self.remote_ttl!r}")
         if self.fsync not in ("local", "remote"):
             raise ConfigError(f"fsync: must be 'local' or 'remote', got {self.fsync!r}")
         try:
@@ -236,6 +242,7 @@ _TOML_KEYS = {
         "metrics_addr": "metrics_addr",
         "allow_other": "allow_other",
         "data_path": "data_path",
+        "remote_ttl": "remote_ttl",
         "endpoint_url": "endpoint_url",
         "region": "region",
     },
@@ -259,7 +266,8 @@ _TOML_KEYS = {
 
 _TYPES = {
     "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
-    "allow_other": bool, "data_path": str, "cache_dir": str, "settle_seconds": (int, float), "part_size": (str, int),
+    "allow_other": bool, "data_path": str, "remote_ttl": (int, float), "cache_dir": str,
+    "settle_seconds": (int, float), "part_size": (str, int),
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
     "read_part_size": (str, int), "read_max_readahead": (str, int), "read_concurrency": int,
 }

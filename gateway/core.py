@@ -36,6 +36,7 @@ from .bucket import BucketClient
 from .errors import FsError
 from .fetch import Fetcher, ReadSettings
 from .files import Handle, OpenFiles
+from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
 from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F401
@@ -93,7 +94,8 @@ class SetattrRequest:
 
 class FsCore:
     def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns,
-                 bucket: BucketClient | None = None, read: ReadSettings | None = None):
+                 bucket: BucketClient | None = None, read: ReadSettings | None = None,
+                 remote_ttl: float = DEFAULT_REMOTE_TTL):
         self.cache_dir = cache_dir
         self.cache = CacheDir(cache_dir)
         self.data_dir = self.cache.data_dir
@@ -108,6 +110,8 @@ class FsCore:
         self._files = OpenFiles(self._state, self._lookups)
         self._namespace = Namespace(self._state, self._keys, self._lookups)
         self._xattrs = Xattrs(self._state)
+        # The bucket's listing as the namespace (none without a bucket: tests of the core alone).
+        self.remote = RemoteNames(self._state, self._lookups, remote_ttl)
 
     @property
     def key_prefix(self) -> str:
@@ -188,6 +192,11 @@ class FsCore:
     def lookup(self, parent: int, name: bytes) -> Attr:
         if len(name) > NAME_MAX:
             raise FsError(errno.ENAMETOOLONG)
+        listed_now = False
+        if name not in (b".", b"..") and self.remote.enabled:
+            with self.meta.read() as txn:
+                need_dir(txn, parent)
+            listed_now = self.remote.refresh(parent)
         with self.meta.read() as txn:
             parent_inode = need_dir(txn, parent)
             if name == b".":
@@ -197,6 +206,8 @@ class FsCore:
             else:
                 ino = txn.lookup(parent, name)
             if ino is None:
+                if self.remote.enabled and not listed_now:
+                    self.remote.count_negative_hit()  # the listing younger than the TTL says: none
                 raise FsError(errno.ENOENT)
             inode = need_inode(txn, ino)
         with self._state.lock:
@@ -361,9 +372,13 @@ class FsCore:
         self._namespace.unlink(parent, name)
 
     def rmdir(self, parent: int, name: bytes) -> None:
+        self.remote.refresh_child(parent, name)  # a directory with unlisted objects is not empty
         self._namespace.rmdir(parent, name)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> None:
+        # The drain moves what fsmeta knows below a renamed directory: list all of it first.
+        self.remote.refresh_child(old_parent, old_name, subtree=True)
+        self.remote.refresh_child(new_parent, new_name, subtree=bool(flags & RENAME_EXCHANGE))
         self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
 
     # -- open files ----------------------------------------------------------------------
@@ -432,6 +447,7 @@ class FsCore:
         """
         h = self._files.handle(fh)
         if start == 0 or h.dir_snapshot is None:
+            self.remote.refresh(h.ino)
             with self.meta.read() as txn:
                 need_dir(txn, h.ino)
                 snapshot = []

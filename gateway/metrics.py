@@ -53,6 +53,24 @@ INTEGRITY_FAILURES = Counter(
 )
 DATA_PATH = Gauge("ckptfs_data_path", "1 for the data path this gateway runs: passthrough or writeback",
                   ["mode"], registry=REGISTRY)
+NAMESPACE_REQUESTS = Counter(
+    "ckptfs_namespace_bucket_requests_total",
+    "Bucket requests the namespace sent (list: directory listings, head: object metadata, get: symlink targets)",
+    ["op"], registry=REGISTRY,
+)
+NAMESPACE_REQUEST_SECONDS = Histogram(
+    "ckptfs_namespace_bucket_request_duration_seconds", "Seconds per bucket request of the namespace, by op",
+    ["op"], registry=REGISTRY, buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+NAMESPACE_NEGATIVE_HITS = Counter(
+    "ckptfs_namespace_negative_hits_total",
+    "Lookups of missing names answered from a directory listing younger than the TTL (no request)",
+    registry=REGISTRY,
+)
+NAMESPACE_ERRORS = Counter(
+    "ckptfs_namespace_bucket_errors_total",
+    "Failed bucket requests of the namespace (the cache answers until the TTL ends)", registry=REGISTRY,
+)
 drain_metrics.add_build_info(REGISTRY)
 
 

@@ -237,7 +237,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         meta.close()
         return fail(f"bucket {settings.bucket_url}: cannot open it for reading: {exc}")
     core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket,
-                  read=ReadSettings.from_settings(settings))
+                  read=ReadSettings.from_settings(settings), remote_ttl=float(settings.remote_ttl))
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)

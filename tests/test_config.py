@@ -108,6 +108,9 @@ def test_bad_bucket_urls_name_the_setting(url):
     ('[mount]\nallow_other = "yes"', "mount.allow_other"),
     ('[mount]\ndata_path = "fast"', "mount.data_path"),
     ('[mount]\ndata_path = true', "mount.data_path"),
+    ('[mount]\nremote_ttl = -1', "mount.remote_ttl"),
+    ('[mount]\nremote_ttl = "3s"', "mount.remote_ttl"),
+    ('[mount]\nremote_ttl = true', "mount.remote_ttl"),
     ('[mount]\nmetrics_addr = "localhost"', "metrics_addr"),
     ('[mount]\nendpoint_url = "ftp://x"', "endpoint_url"),
     ('[nonsense]\nx = 1', "nonsense"),
@@ -166,3 +169,9 @@ def test_data_path_setting(tmp_path, value):
     assert build_settings(None, {"bucket_url": "s3://abc"}).data_path == "auto"
     # the flag overrides the file
     assert build_settings(path, {"data_path": "writeback"}).data_path == "writeback"
+
+
+def test_remote_ttl_setting(tmp_path):
+    path = write(tmp_path, 'bucket_url = "s3://abc"\n[mount]\nremote_ttl = 0.5\n')
+    assert build_settings(path, {}).remote_ttl == 0.5
+    assert build_settings(None, {"bucket_url": "s3://abc"}).remote_ttl == 3.0  # a few seconds by default

@@ -1,0 +1,553 @@
+"""The bucket is the namespace: directory listings become fsmeta inodes.
+
+A second node (or the same node after its cache was lost) mounts a bucket that already
+holds checkpoints. Each directory is listed, with one LIST with delimiter ``/`` of its
+prefix, the first time a lookup, readdir, rmdir or rename needs it, and again once that
+listing is older than the TTL (``[mount] remote_ttl``). Within the TTL fsmeta answers
+alone: a name it does not hold does not exist, so a DCP load or a Python import that
+misses many names costs one LIST per directory and TTL, not one request per miss (the
+negative cache is "this directory was listed at T", kept in memory).
+
+A listing is merged into fsmeta in one write transaction:
+
+* an object ``dir/name`` that fsmeta lacks becomes a regular file in state REMOTE
+  (``durability.mark_remote``), a common prefix ``dir/name/`` a directory. Its attributes
+  come from one HEAD per new object (user metadata is not in listings): mode, uid, gid,
+  mtime under the names the drain writes (s3fs/rclone); objects written by other tools
+  get 0644 (directories 0755), the mounting user's uid/gid and LastModified. HEADs run
+  concurrently in the bucket client's loop, before the write transaction;
+* local names that are not durable yet shadow remote ones: a pending inode is never
+  touched; an object whose key is queued for deletion (tombstone) or is still the
+  content of another inode (the old name of a rename the drain has not copied yet) is
+  not added back;
+* a settled file whose object changed (etag or LastModified) gets the new attributes
+  and a new generation (``durability.mark_remote_changed``) unless it is open here;
+* a local name missing from the listing goes only if it is settled (not pending, nothing
+  pending below a directory, no ancestor pending), not open here, and a HEAD (a LIST of
+  the prefix for a directory) confirms that the object is gone: a listing that raced
+  with the drain's upload must not remove the file just uploaded.
+
+Bucket errors never fail a lookup: the node keeps answering from fsmeta (logged,
+counted) and tries again after the TTL.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+import trio
+
+from ckptfs.drain.store import ListResult, ObjectInfo, ObjectStore
+from ckptfs.fsmeta import FileState, Inode, RemoteRecord, Txn, durability
+
+from . import metrics
+from .errors import FsError
+from .lookups import LookupCounts
+from .names import check_name
+from .state import CoreState
+
+log = logging.getLogger("ckptfs.listing")
+
+DEFAULT_REMOTE_TTL = 3.0  # seconds ([mount] remote_ttl)
+HEAD_CONCURRENCY = 32  # HEADs of one listing in flight at once
+FILE_MODE = stat.S_IFREG | 0o644  # objects without metadata
+DIR_MODE = stat.S_IFDIR | 0o755
+SYMLINK_MAX = 4095
+_VALID_TYPES = {stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK}
+
+
+@dataclass
+class NamespaceStats:
+    """Bucket requests of the namespace (also exported as Prometheus metrics)."""
+
+    lists: int = 0
+    heads: int = 0
+    gets: int = 0  # symlink targets
+    negative_hits: int = 0  # lookups of missing names answered without a request
+    errors: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.lists + self.heads + self.gets
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One entry of a directory's listing."""
+
+    name: bytes
+    key: str  # relative to the prefix; ``dir/name/`` for a directory
+    is_dir: bool
+    etag: str = ""
+    modified: _dt.datetime | None = None
+
+
+@dataclass
+class Fetched:
+    """What a HEAD (and, for a symlink, a GET) said about an object."""
+
+    info: ObjectInfo | None
+    target: bytes = b""
+
+
+@dataclass
+class Plan:
+    """What a merge must ask the bucket before its write transaction."""
+
+    new: list[Listed] = field(default_factory=list)
+    changed: list[tuple[int, Listed]] = field(default_factory=list)
+    gone: list[tuple[bytes, int, str]] = field(default_factory=list)  # name, ino, key to confirm
+
+    def heads(self) -> list[str]:
+        keys = [e.key for e in self.new] + [e.key for _, e in self.changed]
+        return keys + [key for _, _, key in self.gone if not key.endswith("/")]
+
+    def probes(self) -> list[str]:
+        return [key for _, _, key in self.gone if key.endswith("/")]
+
+
+def parse_mode(value: str | None, default: int) -> int:
+    """``mode`` metadata: decimal (s3fs, ckptfs) or octal (rclone); ``default`` if neither fits."""
+    if not value:
+        return default
+    for base in (10, 8):
+        try:
+            mode = int(value.strip(), base)
+        except ValueError:
+            continue
+        if mode <= 0o177777 and stat.S_IFMT(mode) in _VALID_TYPES | {0}:
+            return mode if stat.S_IFMT(mode) else stat.S_IFMT(default) | mode
+    return default
+
+
+def parse_mtime_ns(value: str | None) -> int | None:
+    """``mtime`` metadata: seconds, integer (s3fs) or fractional (rclone, ckptfs)."""
+    if not value:
+        return None
+    try:
+        return int(Decimal(value.strip()) * 1_000_000_000)
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def _int_or(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        return default
+
+
+def _ns(when: _dt.datetime | None) -> int:
+    return int(when.timestamp() * 1e9) if when is not None else time.time_ns()
+
+
+class RemoteNames:
+    """Listings -> fsmeta, the per-directory TTL and the negative cache."""
+
+    def __init__(self, state: CoreState, lookups: LookupCounts, ttl_seconds: float = DEFAULT_REMOTE_TTL):
+        self._state = state
+        self._lookups = lookups
+        self.ttl_ns = int(float(ttl_seconds) * 1e9)
+        self.stats = NamespaceStats()
+        self.uid, self.gid = os.getuid(), os.getgid()  # owner of objects without metadata
+        self._lock = threading.Lock()
+        self._listed_at: dict[int, int] = {}  # dir ino -> clock() when its last listing started
+        self._dir_locks: dict[int, threading.Lock] = {}
+        # ino -> the LastModified its attributes were taken at (a copy onto itself with new
+        # metadata, e.g. a chmod on another node, may keep the etag)
+        self._modified: dict[int, _dt.datetime] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._state.bucket is not None
+
+    # -- freshness ---------------------------------------------------------------------
+
+    def is_fresh(self, dir_ino: int) -> bool:
+        with self._lock:
+            at = self._listed_at.get(dir_ino)
+        return at is not None and self._state.clock() - at < self.ttl_ns
+
+    def mark_listed(self, dir_ino: int, at_ns: int | None = None) -> None:
+        with self._lock:
+            self._listed_at[dir_ino] = self._state.clock() if at_ns is None else at_ns
+
+    def count_negative_hit(self) -> None:
+        self.stats.negative_hits += 1
+        metrics.NAMESPACE_NEGATIVE_HITS.inc()
+
+    def _dir_lock(self, dir_ino: int) -> threading.Lock:
+        with self._lock:
+            lock = self._dir_locks.get(dir_ino)
+            if lock is None:
+                lock = self._dir_locks[dir_ino] = threading.Lock()
+            return lock
+
+    # -- refreshing ----------------------------------------------------------------------
+
+    def refresh(self, dir_ino: int) -> bool:
+        """List ``dir_ino`` unless its listing is younger than the TTL. True if it listed now
+        (concurrent callers wait for one listing instead of sending their own)."""
+        if not self.enabled or self.is_fresh(dir_ino):
+            return False
+        with self._dir_lock(dir_ino):
+            if self.is_fresh(dir_ino):
+                return False
+            self._list_and_merge(dir_ino)
+            return True
+
+    def refresh_child(self, parent: int, name: bytes, *, subtree: bool = False) -> None:
+        """List the directory ``parent/name`` (and, with ``subtree``, every directory below it)
+        before an operation that must see all of it (rmdir: empty? rename: every object moves)."""
+        if not self.enabled:
+            return
+        with self._state.meta.read() as txn:
+            ino = txn.lookup(parent, name)
+            inode = txn.get_inode(ino) if ino is not None else None
+        if inode is None or not inode.is_dir:
+            return
+        todo = [ino]
+        while todo:
+            dir_ino = todo.pop()
+            self.refresh(dir_ino)
+            if subtree:
+                with self._state.meta.read() as txn:
+                    for _, child in txn.iter_dir(dir_ino):
+                        child_inode = txn.get_inode(child)
+                        if child_inode is not None and child_inode.is_dir:
+                            todo.append(child)
+
+    def _timed(self, op: str, fn: Callable[[], object]):
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._observe(op, time.perf_counter() - start)
+
+    def _observe(self, op: str, seconds: float) -> None:
+        if op == "list":
+            self.stats.lists += 1
+        elif op == "head":
+            self.stats.heads += 1
+        else:
+            self.stats.gets += 1
+        metrics.NAMESPACE_REQUESTS.labels(op).inc()
+        metrics.NAMESPACE_REQUEST_SECONDS.labels(op).observe(seconds)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+        metrics.NAMESPACE_ERRORS.inc()
+        log.warning("bucket namespace: %s failed (answering from the cache until the TTL ends): %s", what, exc)
+
+    def _list_and_merge(self, dir_ino: int) -> None:
+        started = self._state.clock()
+        meta = self._state.meta
+        with meta.read() as txn:
+            inode = txn.get_inode(dir_ino)
+            path = txn.path_of(dir_ino)
+            if inode is None or not inode.is_dir or inode.nlink == 0 or path is None:
+                return
+            prefix = path.decode("utf-8", "surrogateescape") + "/" if path else ""
+            names_before = {name for name, _ in txn.iter_dir(dir_ino)}
+            tombstones_before = {key for key, _ in txn.tombstones_below(prefix)}
+        bucket = self._state.bucket
+        try:
+            listing: ListResult = self._timed("list", lambda: bucket.list(prefix, "/"))
+        except Exception as exc:  # noqa: BLE001 - any store or connection error: serve what fsmeta holds
+            self._failed(f"LIST {prefix or '/'}", exc)
+            self.mark_listed(dir_ino, started)
+            return
+        entries = self._entries(prefix, listing)
+        with meta.read() as txn:
+            if txn.path_of(dir_ino) != path:
+                return  # renamed meanwhile: listed again under its new name next time
+            plan = self._plan(txn, dir_ino, entries, names_before, tombstones_before)
+        fetched, present = ({}, {})
+        if plan.heads() or plan.probes():
+            try:
+                fetched, present = bucket.call(lambda store: self._fetch(store, plan.heads(), plan.probes()))
+            except Exception as exc:  # noqa: BLE001 - as for the LIST
+                self._failed(f"HEAD below {prefix or '/'}", exc)
+                self.mark_listed(dir_ino, started)
+                return
+        listed_modified = {e.key: e.modified for e in entries.values()}
+        purge, stale, seen = meta.write(lambda txn: self._apply(txn, dir_ino, path, plan, fetched, present))
+        with self._lock:
+            for ino in purge:
+                self._modified.pop(ino, None)
+            for ino, key in stale + seen:
+                if listed_modified.get(key) is not None:
+                    self._modified[ino] = listed_modified[key]
+        for ino in purge:
+            self._lookups.maybe_purge(ino)
+        for ino, _ in stale:
+            with self._state.lock:
+                if ino not in self._state.open_files:
+                    self._state.remove_data(ino)  # a new or replaced object: no cached byte is current
+        self.mark_listed(dir_ino, started)
+
+    def _entries(self, prefix: str, listing: ListResult) -> dict[bytes, Listed]:
+        out: dict[bytes, Listed] = {}
+        for obj in listing.objects:
+            rel = obj.key[len(prefix):]
+            if obj.key == prefix or not obj.key.startswith(prefix) or "/" in rel:
+                continue  # the directory's own marker
+            name = self._valid_name(rel)
+            if name is not None:
+                out[name] = Listed(name, obj.key, False, obj.etag, obj.last_modified)
+        for common in listing.prefixes:
+            name = self._valid_name(common[len(prefix):].rstrip("/"))
+            if name is not None and common.startswith(prefix):
+                out[name] = Listed(name, common, True)  # a directory wins over a file of the same name
+        return out
+
+    @staticmethod
+    def _valid_name(rel: str) -> bytes | None:
+        name = rel.encode("utf-8", "surrogateescape")
+        try:
+            check_name(name)
+        except FsError:
+            return None  # not a name this filesystem can show (e.g. ".ckptfs-probe/", "a//b")
+        return name
+
+    def _shadowed(self, txn: Txn, entry: Listed, tombstones_before: set[str]) -> bool:
+        """The object is the remains of a local removal or rename that the drain has not
+        finished in the bucket: it must not come back."""
+        if entry.is_dir:
+            under = entry.key
+            return (any(k.startswith(under) for k in tombstones_before)
+                    or next(txn.tombstones_below(under), None) is not None
+                    or next(txn.remote_keys_below(under), None) is not None)
+        return (entry.key in tombstones_before or txn.get_tombstone(entry.key) is not None
+                or txn.owner_of_remote_key(entry.key) is not None)
+
+    def _settled(self, txn: Txn, ino: int, inode: Inode) -> bool:
+        """Nothing of ``ino`` (or below it) waits for the drain, and nothing of it is open here."""
+        with self._state.lock:
+            open_files = set(self._state.open_files)
+        if txn.get_pending(ino) is not None or ino in open_files:
+            return False
+        if inode.is_dir:
+            return all(txn.get_pending(child) is None and child not in open_files
+                       for _, child in txn.iter_subtree(ino))
+        return True
+
+    def _plan(self, txn: Txn, dir_ino: int, entries: dict[bytes, Listed], names_before: set[bytes],
+              tombstones_before: set[str]) -> Plan:
+        plan = Plan()
+        with self._lock:
+            modified = dict(self._modified)
+        for name, entry in entries.items():
+            local = txn.lookup(dir_ino, name)
+            if local is None:
+                if name not in names_before and not self._shadowed(txn, entry, tombstones_before):
+                    plan.new.append(entry)
+                continue
+            if entry.is_dir:
+                continue
+            inode = txn.get_inode(local)
+            record = txn.get_remote(local)
+            if (inode is None or inode.is_dir or record is None or record.key != entry.key
+                    or not self._settled(txn, local, inode)):
+                continue  # a local directory, or a file not durable yet: the local one wins
+            seen = modified.get(local)
+            if (record.etag and entry.etag and record.etag != entry.etag) or (
+                    seen is not None and entry.modified is not None and seen != entry.modified):
+                plan.changed.append((local, entry))
+            elif seen is None and entry.modified is not None:
+                with self._lock:
+                    self._modified[local] = entry.modified
+        if durability.pending_at_or_above(txn, dir_ino):
+            return plan  # renamed, its objects not moved yet: the listing is not the truth
+        for name, child in txn.iter_dir(dir_ino):
+            if name in entries:
+                continue
+            inode = txn.get_inode(child)
+            if inode is None or not self._settled(txn, child, inode):
+                continue
+            key = entries_key(txn, dir_ino, name, inode.is_dir)
+            plan.gone.append((name, child, key))
+        return plan
+
+    async def _fetch(self, store: ObjectStore, heads: list[str], probes: list[str]
+                     ) -> tuple[dict[str, Fetched], dict[str, bool]]:
+        """HEAD ``heads`` (GET symlink targets) and probe ``probes`` for any object, concurrently."""
+        fetched: dict[str, Fetched] = {}
+        present: dict[str, bool] = {}
+        limiter = trio.CapacityLimiter(HEAD_CONCURRENCY)
+
+        async def timed(op, coro):
+            start = time.perf_counter()
+            try:
+                return await coro
+            finally:
+                self._observe(op, time.perf_counter() - start)
+
+        async def head(key: str) -> None:
+            async with limiter:
+                try:
+                    info = await timed("head", store.head(key))
+                    target = b""
+                    if (info is not None and not key.endswith("/") and 0 < info.size <= SYMLINK_MAX
+                            and stat.S_ISLNK(parse_mode(info.metadata.get("mode"), FILE_MODE))):
+                        target = await timed("get", store.get_range(key, 0, info.size))
+                    fetched[key] = Fetched(info, target)
+                except Exception as exc:  # noqa: BLE001 - this entry only: left out until the next listing
+                    self._failed(f"HEAD {key}", exc)
+
+        async def probe(prefix: str) -> None:
+            async with limiter:
+                try:
+                    result = await timed("list", store.list(prefix, limit=1))
+                    present[prefix] = bool(result.objects or result.prefixes)
+                except Exception as exc:  # noqa: BLE001 - not confirmed gone: kept
+                    self._failed(f"LIST {prefix}", exc)
+
+        async with trio.open_nursery() as nursery:
+            for key in heads:
+                nursery.start_soon(head, key)
+            for prefix in probes:
+                nursery.start_soon(probe, prefix)
+        return fetched, present
+
+    # -- the write transaction ------------------------------------------------------------
+
+    def _apply(self, txn: Txn, dir_ino: int, path: bytes, plan: Plan, fetched: dict[str, Fetched],
+               present: dict[str, bool]) -> tuple[list[int], list[tuple[int, str]], list[tuple[int, str]]]:
+        """Merge one listing: returns the inodes to purge, the (inode, key) of files made or with
+        new content (no cache file of theirs is current), and of files only re-attributed."""
+        purge: list[int] = []
+        stale: list[tuple[int, str]] = []  # new or with new content: no cache file is current
+        seen: list[tuple[int, str]] = []  # attributes refreshed, content unchanged
+        if txn.path_of(dir_ino) != path:
+            return purge, stale, seen
+        parent = txn.get_inode(dir_ino)
+        if parent is None or parent.nlink == 0:
+            return purge, stale, seen
+        with self._state.lock:
+            open_files = set(self._state.open_files)
+        for entry in plan.new:
+            got = fetched.get(entry.key)
+            if entry.is_dir:
+                info = got.info if got is not None else None
+            elif got is None or got.info is None:
+                continue  # deleted since the LIST, or its HEAD failed
+            else:
+                info = got.info
+            if txn.lookup(dir_ino, entry.name) is not None or self._shadowed(txn, entry, set()):
+                continue  # created or removed here meanwhile: the local change wins
+            self._add(txn, parent, entry, info, got.target if got is not None else b"")
+            if entry.is_dir:
+                parent.nlink += 1
+            stale.append((txn.lookup(dir_ino, entry.name), entry.key))
+        for ino, entry in plan.changed:
+            got = fetched.get(entry.key)
+            inode = txn.get_inode(ino)
+            if (got is None or got.info is None or inode is None or txn.lookup(dir_ino, entry.name) != ino
+                    or txn.get_pending(ino) is not None or ino in open_files):
+                continue
+            record = txn.get_remote(ino)
+            same_content = (record is not None and record.blake3 and got.info.size == record.size
+                            and got.info.metadata.get("blake3") == record.blake3)
+            self._set_attrs(inode, got.info, got.target)
+            if same_content:
+                # A copy (a rename's, a chmod's on another node) may carry a new etag: the
+                # content, and with it the cache file and the generation, stay.
+                record.etag = got.info.etag
+                txn.put_remote(ino, record)
+                txn.put_inode(inode)
+                seen.append((ino, entry.key))
+                continue
+            durability.mark_remote_changed(txn, inode, self._record(entry.key, got.info))
+            stale.append((ino, entry.key))
+        for name, ino, key in plan.gone:
+            gone = not present.get(key, True) if key.endswith("/") else (
+                key in fetched and fetched[key].info is None)
+            inode = txn.get_inode(ino)
+            if not gone or inode is None or txn.lookup(dir_ino, name) != ino or not self._settled(txn, ino, inode):
+                continue
+            if inode.is_dir:
+                purge += self._remove_tree(txn, ino)
+                parent.nlink -= 1
+            txn.remove_entry(dir_ino, name)
+            purge.append(self._drop_name(txn, inode))
+        txn.put_inode(parent)
+        return purge, [(ino, key) for ino, key in stale if ino is not None], seen
+
+    def _drop_name(self, txn: Txn, inode: Inode) -> int:
+        """One name of ``inode`` vanished from the bucket (not deleted here: no tombstone)."""
+        if inode.is_dir:
+            inode.nlink = 0
+        else:
+            inode.nlink -= 1
+        if inode.nlink == 0:
+            txn.delete_remote(inode.ino)
+            txn.add_orphan(inode.ino)
+        txn.put_inode(inode)
+        return inode.ino
+
+    def _remove_tree(self, txn: Txn, dir_ino: int) -> list[int]:
+        removed = []
+        for name, child in list(txn.iter_dir(dir_ino)):
+            inode = txn.get_inode(child)
+            if inode is None:
+                continue
+            if inode.is_dir:
+                removed += self._remove_tree(txn, child)
+            txn.remove_entry(dir_ino, name)
+            removed.append(self._drop_name(txn, inode))
+        return removed
+
+    def _add(self, txn: Txn, parent: Inode, entry: Listed, info: ObjectInfo | None, target: bytes) -> None:
+        inode = Inode(txn.alloc_ino(), DIR_MODE if entry.is_dir else FILE_MODE, self.uid, self.gid,
+                      nlink=2 if entry.is_dir else 1, generation=1, parent=parent.ino,
+                      state=FileState.DURABLE)
+        inode.atime_ns = inode.mtime_ns = inode.ctime_ns = _ns(entry.modified if info is None else info.last_modified)
+        if info is not None:
+            self._set_attrs(inode, info, target)
+        txn.put_inode(inode)
+        txn.add_entry(parent.ino, entry.name, inode.ino)
+        if not entry.is_dir:
+            durability.mark_remote(txn, inode, self._record(entry.key, info))
+
+    def _set_attrs(self, inode: Inode, info: ObjectInfo, target: bytes) -> None:
+        """Attributes from the object's metadata (s3fs/rclone names), defaults where absent."""
+        md = info.metadata
+        default = DIR_MODE if inode.is_dir else FILE_MODE
+        mode = parse_mode(md.get("mode"), default)
+        if stat.S_ISDIR(mode) != inode.is_dir or (stat.S_ISLNK(mode) and not target):
+            mode = stat.S_IFMT(default) | stat.S_IMODE(mode)  # the key decides file or directory
+        inode.mode = mode
+        inode.uid = _int_or(md.get("uid"), self.uid)
+        inode.gid = _int_or(md.get("gid"), self.gid)
+        mtime = parse_mtime_ns(md.get("mtime"))
+        inode.mtime_ns = mtime if mtime is not None else _ns(info.last_modified)
+        inode.atime_ns = inode.ctime_ns = inode.mtime_ns
+        inode.rdev = _int_or(md.get("rdev"), 0) if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else 0
+        if stat.S_ISLNK(mode):
+            inode.target = target
+            inode.size = len(target)
+        elif stat.S_ISREG(mode):
+            inode.size = info.size
+        else:
+            inode.size = 0
+
+    @staticmethod
+    def _record(key: str, info: ObjectInfo) -> RemoteRecord:
+        return RemoteRecord(key, info.size, info.metadata.get("blake3", ""), 1, info.etag)
+
+
+def entries_key(txn: Txn, dir_ino: int, name: bytes, is_dir: bool) -> str:
+    base = txn.path_of(dir_ino) or b""
+    rel = (base + b"/" + name if base else name).decode("utf-8", "surrogateescape")
+    return rel + "/" if is_dir else rel
+
+

@@ -1,0 +1,129 @@
+"""Two mounts on one bucket, each with its own cache directory: what A drains, B sees.
+
+Node B mounts the bucket with an empty cache (another node resuming a job, or the same
+node after its cache disk was replaced) and must show A's files with the size, mode,
+uid, gid and mtime A gave them, and the same bytes; A's renames and deletes show on B after
+the TTL.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, ckptfs_cmd, needs_fuse
+
+pytestmark = [needs_fuse, pytest.mark.mounted]
+
+TTL = 1.0  # [mount] remote_ttl of both mounts
+# TTL + the kernel's entry/attribute timeout (1 s) + a drained rename/delete, with margin
+VISIBLE_WITHIN = 15.0
+
+
+@pytest.fixture
+def two_nodes(gateway_factory, tmp_path):
+    config = tmp_path / "ckptfs.toml"
+    config.write_text(f"[drain]\nsettle_seconds = 0.1\n[mount]\nremote_ttl = {TTL}\n")
+    a = gateway_factory(extra_args=("--config", str(config)))
+    b = gateway_factory(bucket=a.bucket, extra_args=("--config", str(config)))
+    assert a.cache != b.cache
+    yield a, b
+    for gw in (a, b):
+        assert not gw.unexpected(), gw.log()[-8000:]
+
+
+def wait_durable(gw) -> None:
+    r = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "30"], check=False,
+                       capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout + r.stderr + gw.log()[-4000:]
+
+
+def eventually(check, timeout: float = VISIBLE_WITHIN):
+    """Poll ``check`` until it returns a true value (the TTL and the kernel's caches pass)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.1)
+
+
+def attrs(path) -> tuple:
+    st = os.lstat(path)
+    return st.st_size, st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns
+
+
+def test_a_checkpoint_drained_by_a_shows_on_b_with_its_attributes(two_nodes):
+    a, b = two_nodes
+    step = a.mnt / "run" / "step_1"
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(os.urandom(100_000))
+    (step / "optim.pt").write_bytes(os.urandom(5000))
+    os.chmod(step / "optim.pt", 0o600)
+    os.chown(step / "optim.pt", 1234, 5678)
+    os.utime(step / "optim.pt", ns=(1_700_000_000_123_456_789, 1_700_000_000_123_456_789))
+    (step / ".metadata").write_text('{"step": 1}')
+    (a.mnt / "run" / "latest").symlink_to("step_1")
+    (a.mnt / "run" / "empty").mkdir(mode=0o700)
+    wait_durable(a)
+
+    assert sorted(os.listdir(b.mnt)) == ["run"]
+    assert sorted(os.listdir(b.mnt / "run")) == ["empty", "latest", "step_1"]
+    assert sorted(os.listdir(b.mnt / "run" / "step_1")) == [".metadata", "model.pt", "optim.pt"]
+    for name in (".metadata", "model.pt", "optim.pt"):
+        assert attrs(b.mnt / "run" / "step_1" / name) == attrs(step / name), name
+    assert attrs(b.mnt / "run" / "step_1" / "optim.pt")[1:4] == (stat.S_IFREG | 0o600, 1234, 5678)
+    assert os.readlink(b.mnt / "run" / "latest") == "step_1"
+    assert stat.S_IMODE(os.stat(b.mnt / "run" / "empty").st_mode) == 0o700
+    assert os.getxattr(b.mnt / "run" / "step_1" / "model.pt", "user.ckptfs.state") == b"remote"
+    for name in (".metadata", "model.pt", "optim.pt"):  # the read path fetches them
+        assert (b.mnt / "run" / "step_1" / name).read_bytes() == (step / name).read_bytes(), name
+
+
+def test_renames_and_deletes_on_a_show_on_b_after_the_ttl(two_nodes):
+    a, b = two_nodes
+    (a.mnt / "ckpt").mkdir()
+    for name in ("keep", "moved", "deleted"):
+        (a.mnt / "ckpt" / name).write_bytes(name.encode())
+    wait_durable(a)
+    assert sorted(os.listdir(b.mnt / "ckpt")) == ["deleted", "keep", "moved"]
+
+    os.rename(a.mnt / "ckpt" / "moved", a.mnt / "ckpt" / "renamed")
+    os.unlink(a.mnt / "ckpt" / "deleted")
+    (a.mnt / "ckpt" / "new").write_bytes(b"new!")
+    wait_durable(a)
+    expected = ["keep", "new", "renamed"]
+    assert eventually(lambda: sorted(os.listdir(b.mnt / "ckpt")) == expected), os.listdir(b.mnt / "ckpt")
+    assert eventually(lambda: not os.path.exists(b.mnt / "ckpt" / "deleted"))
+    assert os.stat(b.mnt / "ckpt" / "renamed").st_size == len(b"moved")
+    assert os.stat(b.mnt / "ckpt" / "new").st_size == 4
+
+
+def test_names_missing_on_b_cost_no_request_per_lookup(two_nodes):
+    a, b = two_nodes
+    (a.mnt / "pkg").mkdir()
+    (a.mnt / "pkg" / "mod.py").write_text("x = 1\n")
+    wait_durable(a)
+    assert os.listdir(b.mnt / "pkg") == ["mod.py"]
+    before = _metric(b, 'ckptfs_namespace_bucket_requests_total{op="list"}')
+    hits_before = _metric(b, "ckptfs_namespace_negative_hits_total")
+    start = time.monotonic()
+    for i in range(50):  # an import probing a path: names that do not exist
+        assert not os.path.exists(b.mnt / "pkg" / f"missing_{i}.so")
+    ttls = math.ceil((time.monotonic() - start) / TTL) + 1
+    lists = _metric(b, 'ckptfs_namespace_bucket_requests_total{op="list"}') - before
+    # one listing of pkg (and of the root) per TTL the loop spanned, not one per miss
+    assert lists <= 2 * ttls < 50, (lists, ttls)
+    assert _metric(b, "ckptfs_namespace_negative_hits_total") - hits_before >= 50 - lists
+
+
+def _metric(gw, name: str) -> float:
+    for line in gw.metrics().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
