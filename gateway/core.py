@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ckptfs.fsmeta import Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.records import FileState
 
 from . import datapath, recovery
 from .errors import FsError
@@ -36,7 +37,8 @@ from .files import Handle, OpenFiles
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
 from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F401
-from .state import CoreState, need_dir, need_inode
+from .space import CacheSpace, SpaceLimits
+from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
 from .xattrs import (  # noqa: F401
     BLAKE3_XATTR,
     STATE_XATTR,
@@ -46,6 +48,12 @@ from .xattrs import (  # noqa: F401
     XATTR_SIZE_MAX,
     Xattrs,
 )
+
+
+def _not_cached(inode: Inode) -> FsError:
+    """An evicted (REMOTE) file's content is only in the bucket, and this branch does not fetch
+    it yet (read-through is built separately): refuse instead of serving zeros."""
+    return FsError(errno.EIO, f"inode {inode.ino}: content evicted from the cache; read-through not available")
 
 
 @dataclass
@@ -136,6 +144,16 @@ class FsCore:
         with self._state.lock:
             assert not self._state.open_files, "switching the data path with files open"
             self._state.backing = None
+
+    def enable_space(self, limits: SpaceLimits, *, markers=()) -> CacheSpace:
+        """Cap the cache (gateway/space.py): the caller runs ``space.tick()`` periodically."""
+        self._state.space = CacheSpace(self._state, limits, markers=markers)
+        self._state.space.scan()
+        return self._state.space
+
+    @property
+    def space(self) -> CacheSpace | None:
+        return self._state.space
 
     def backing_id(self, fh: int) -> int:
         """The backing id for an open/create reply (0: none, the daemon serves the data)."""
@@ -234,6 +252,8 @@ class FsCore:
                     raise FsError(errno.EISDIR)
                 if not inode.is_reg:
                     raise FsError(errno.EINVAL)
+                if inode.state == FileState.REMOTE and req.size != 0:
+                    raise _not_cached(inode)
                 inode.size = req.size
                 inode.mtime_ns = now
                 durability.mark_dirty(txn, inode, now)
@@ -322,13 +342,26 @@ class FsCore:
     # -- open files ----------------------------------------------------------------------
 
     def open(self, ino: int, flags: int) -> int:
-        with self.meta.read() as txn:
-            inode = need_inode(txn, ino)
-        if inode.is_dir:
-            raise FsError(errno.EISDIR)
-        if not inode.is_reg:
-            raise FsError(errno.EINVAL)
-        fh = self._files.open_handle(inode, flags)
+        while True:
+            seen_eviction = self._state.eviction_seq
+            with self.meta.read() as txn:
+                inode = need_inode(txn, ino)
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            if not inode.is_reg:
+                raise FsError(errno.EINVAL)
+            if inode.state == FileState.REMOTE:
+                if not flags & os.O_TRUNC:
+                    raise _not_cached(inode)
+                # Its whole content is replaced: no need to fetch it (an O_TRUNC open that fails
+                # after this still leaves the file empty, as on a local file system).
+                self.setattr(ino, SetattrRequest(size=0))
+                continue
+            try:
+                fh = self._files.open_handle(inode, flags, seen_eviction=seen_eviction)
+            except EvictedMeanwhile:
+                continue
+            break
         # libfuse negotiates atomic_o_trunc: O_TRUNC arrives here instead of as a setattr,
         # and the kernel has already set its size to 0. Linux truncates with O_RDONLY too
         # (the kernel checked write permission), so must we, or old bytes come back.

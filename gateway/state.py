@@ -21,6 +21,7 @@ from .errors import FsError
 if TYPE_CHECKING:
     from .datapath import Backing
     from .files import Handle, OpenFile
+    from .space import CacheSpace
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
 # past this many, closing a file syncs data/ once for all of them.
@@ -41,6 +42,23 @@ class CoreState:
     # the file must also make its name in data/ durable.
     unsynced_cache_names: set[int] = field(default_factory=set)
     backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
+    space: CacheSpace | None = None  # the cache cap, eviction, backpressure (gateway/space.py)
+    # Inodes whose cache file the evictor is removing: their first open (and a truncate
+    # without a handle) waits on ``evicting_done``, then reads the inode again.
+    evicting: set[int] = field(default_factory=set)
+    eviction_seq: int = 0  # moves at every eviction batch (under ``lock``)
+
+    def __post_init__(self) -> None:
+        self.evicting_done = threading.Condition(self.lock)
+
+    def wait_not_evicting(self, ino: int) -> bool:
+        """Block while the evictor removes ``ino``'s cache file; True if it had to wait.
+        Call with ``lock`` held."""
+        waited = False
+        while ino in self.evicting:
+            waited = True
+            self.evicting_done.wait()
+        return waited
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
@@ -102,6 +120,10 @@ class CoreState:
         """The kernel still references the inode, or a handle keeps it open."""
         with self.lock:
             return bool(self.lookups.get(ino)) or ino in self.open_files
+
+
+class EvictedMeanwhile(Exception):
+    """The inode was (maybe) evicted between reading it and opening it: read it again."""
 
 
 def need_inode(txn: Txn, ino: int) -> Inode:
