@@ -248,3 +248,29 @@ def test_an_evicted_file_is_normal_to_recovery_fsck_and_the_drain_reconcile(core
         assert txn.get_error(ino) is None
         assert durability.state_label(txn, txn.get_inode(ino)) != f"error: {durability.CACHE_FILE_MISSING}"
     assert fsmeta_problems(core.meta) == []
+
+
+def test_a_nearly_full_cache_device_makes_writers_wait_and_evicts_for_them(core):
+    clean = write_file(core, b"clean", MIB)
+    make_durable(core, clean)
+    # The cap is far away, but the device (used by others too) has 1.5 MiB free and keeps 1 MiB.
+    space = core.enable_space(SpaceLimits(1 << 30, 900 << 20, 800 << 20, 5.0, MIB))
+    space._statvfs = lambda _path: SimpleNamespace(f_bavail=3 * MIB // 2, f_frsize=1, f_blocks=1 << 40)
+    space.scan()
+    fh, attr = core.create(ROOT, b"g", 0o644, os.O_RDWR, ROOT_CALLER)
+    t = threading.Thread(target=core.write, args=(fh, 0, b"a" * MIB))
+    t.start()
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:
+        space.tick()  # a waiting writer short of room: the clean file goes for it
+        time.sleep(0.02)
+    t.join()
+    assert state(core, clean) == FileState.REMOTE and space.status()["enospc_total"] == 0
+    core.release(fh)
+    assert core.getattr(attr.ino).size == MIB
+    fh = core.open(attr.ino, os.O_RDWR)
+    space.limits = SpaceLimits(1 << 30, 900 << 20, 800 << 20, 0.2, MIB)
+    with pytest.raises(FsError) as exc:  # nothing left to evict: ENOSPC after the timeout
+        core.write(fh, MIB, b"b" * MIB)
+    assert exc.value.errno == errno.ENOSPC
+    core.release(fh)

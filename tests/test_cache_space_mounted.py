@@ -135,6 +135,8 @@ def test_writing_three_times_the_cap_with_the_drain_running(gateway_factory, tmp
     assert metric(text, "ckptfs_cache_evictions_total") > 0
     assert metric(text, "ckptfs_cache_evicted_bytes_total") >= FILE
     assert metric(text, "ckptfs_backpressure_refused_writes_total") == 0
+    print(f"writes waited {metric(text, 'ckptfs_backpressure_wait_seconds_total'):.1f} s in all; "
+          f"{metric(text, 'ckptfs_cache_evictions_total'):.0f} evictions")
 
     gw.stop()
     fsck = subprocess.run([*ckptfs_cmd(), "fsck", str(gw.cache), "--json"], capture_output=True, text=True,
