@@ -118,7 +118,10 @@ def mark_durable(txn: Txn, inode: Inode, generation: int, record: RemoteRecord) 
     which clears it only if nothing else (a rename, new metadata) is waiting."""
     txn.put_remote(inode.ino, record)
     inode.durable_generation = generation
-    inode.state = FileState.DURABLE
+    if inode.state != FileState.REMOTE:
+        # An evicted file that was only moved or re-tagged in the bucket (any local change of
+        # its content makes it DIRTY first): its content is still not in the cache.
+        inode.state = FileState.DURABLE
     txn.put_inode(inode)
     txn.clear_error(inode.ino)
 

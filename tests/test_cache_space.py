@@ -274,3 +274,57 @@ def test_a_nearly_full_cache_device_makes_writers_wait_and_evicts_for_them(core)
         core.write(fh, MIB, b"b" * MIB)
     assert exc.value.errno == errno.ENOSPC
     core.release(fh)
+
+
+def test_an_evicted_file_renamed_and_chmodded_moves_in_the_bucket_and_stays_evicted(tmp_path):
+    """The drain copies an evicted file to its new key with the new metadata, without its
+    cache file, and it stays REMOTE: never DURABLE with no content in the cache."""
+    from test_drain_support import DrainEnv
+
+    env = DrainEnv(tmp_path)
+    try:
+        data = os.urandom(MIB + 5)
+        ino = env.write_file("run/f", data)
+        env.drain()
+        cap(env.core, 0.5).tick()
+        assert state(env.core, ino) == FileState.REMOTE and not cached(env.core, ino)
+        run = env.ino("run")
+        env.core.rename(run, b"f", run, b"g")
+        env.core.setattr(ino, SetattrRequest(mode=0o600))
+        env.drain()
+        assert (env.bucket / "run/g").read_bytes() == data and not (env.bucket / "run/f").exists()
+        assert int(env.head("run/g").metadata["mode"]) & 0o777 == 0o600
+        assert env.pending() == {}
+        assert state(env.core, ino) == FileState.REMOTE and not cached(env.core, ino)
+        with pytest.raises(FsError):
+            env.core.open(ino, os.O_RDONLY)  # no zeros: it must come from the bucket
+    finally:
+        env.close()
+
+
+def test_passthrough_under_pressure_new_writers_are_served_by_the_gateway(core):
+    """Passthrough writes never reach the gateway: above the high watermark, a file opened for
+    writing that nobody has open gets no backing id (the gateway serves it, and can make its
+    writes wait); an inode's opens never mix the two paths."""
+    ids = iter(range(1, 1000))
+    core.enable_passthrough(lambda fd: next(ids), lambda bid: None)
+    already_open, _ = core.create(ROOT, b"a", 0o644, os.O_RDWR, ROOT_CALLER)
+    assert core.backing_id(already_open) > 0
+    fh, attr = core.create(ROOT, b"before", 0o644, os.O_RDWR, ROOT_CALLER)
+    assert core.backing_id(fh) > 0  # no pressure yet
+    core.release(fh)
+    write_file(core, b"dirty", 2 * MIB)  # dirty: nothing to evict
+    cap(core, 2.2, timeout=0.3)  # 2 MiB of 2.2: above the 90% high watermark
+    new, _ = core.create(ROOT, b"new", 0o644, os.O_RDWR, ROOT_CALLER)
+    assert core.backing_id(new) == 0  # served by the gateway
+    again = core.open(core.handle_inode(new), os.O_RDONLY)
+    assert core.backing_id(again) == 0  # same inode, same path
+    reader = core.open(attr.ino, os.O_RDONLY)
+    assert core.backing_id(reader) > 0  # a reader adds nothing: passthrough
+    joined = core.open(core.handle_inode(already_open), os.O_WRONLY)
+    assert core.backing_id(joined) == core.backing_id(already_open)  # never mixed
+    with pytest.raises(FsError) as exc:  # the gateway-served writer waits, then ENOSPC
+        core.write(new, 0, b"x" * MIB)
+    assert exc.value.errno == errno.ENOSPC
+    for h in (new, again, reader, joined, already_open):
+        core.release(h)
