@@ -59,6 +59,7 @@ PUBLISH_SECONDS = 1.0  # meta/space_status for `ckptfs status` and the metrics
 DEVICE_RESERVE_FRACTION = 0.01  # of the cache device, kept free whatever the cap says...
 DEVICE_RESERVE_MAX = 1 << 30  # ...up to 1 GiB
 EVICT_BATCH = 64  # files per fsmeta transaction
+NOTHING_TO_EVICT_PAUSE = 1.0  # seconds between eviction attempts that find only dirty files
 OPEN_GROWTH_MAX_AGE = 0.05  # seconds an open-time pressure decision may reuse a measurement
 
 
@@ -102,9 +103,9 @@ class CacheSpace:
         self._waiters: dict[int, tuple[float, int]] = {}  # token -> (monotonic start, bytes wanted)
         self._next_token = 0
         self._last_scan = 0.0
+        self._idle_until = 0.0  # no eviction attempt before this (monotonic): nothing was evictable
         self.bytes_by_state = {"dirty": 0, "clean": 0, "remote": 0}
         self.wait_seconds_total = 0.0
-        self.waits_total = 0
         self.enospc_total = 0
         self.evictions_total = 0
         self.evicted_bytes_total = 0
@@ -191,14 +192,18 @@ class CacheSpace:
         """Bytes the cache files take, as best known (call with ``_cond`` held)."""
         return self._total + self._growth + self._admitted
 
+    def _device_room(self) -> int | None:
+        """Bytes the device can still take before its reserve (call with ``_cond`` held)."""
+        if self._device_avail is None:
+            return None
+        return (self._device_avail - self._changed_since_scan - self._growth - self._admitted
+                - self.limits.device_reserve)
+
     def _room(self) -> int:
         """Bytes writers may still add (call with ``_cond`` held)."""
         room = self.limits.cap - self._used()
-        if self._device_avail is not None:
-            device_room = (self._device_avail - self._changed_since_scan - self._growth - self._admitted
-                           - self.limits.device_reserve)
-            room = min(room, device_room)
-        return room
+        device_room = self._device_room()
+        return room if device_room is None else min(room, device_room)
 
     def used_bytes(self) -> int:
         with self._cond:
@@ -228,7 +233,6 @@ class CacheSpace:
         with self._cond:
             token = self._next_token = self._next_token + 1
             self._waiters[token] = (start, nbytes)
-            self.waits_total += 1
             try:
                 while self._room() < nbytes:
                     remaining = start + self.limits.timeout - time.monotonic()
@@ -256,30 +260,30 @@ class CacheSpace:
         return evicted
 
     def _to_free(self) -> int:
+        """Bytes to evict now: down to the low watermark once above the high one, or what the
+        largest waiting writer lacks, or what the device lacks for its reserve."""
         with self._cond:
             used = self._used()
-            # writers waiting for more than the room left: free what the largest one needs
             short = max((want for _, want in self._waiters.values()), default=0) - self._room()
-            if used <= self.limits.high and short <= 0:
-                device_short = 0
-                if self._device_avail is not None:
-                    device_short = self.limits.device_reserve - (
-                        self._device_avail - self._changed_since_scan - self._growth - self._admitted)
-                if device_short <= 0:
-                    return 0
-                return device_short
-            return max(used - self.limits.low, short)
+            if used > self.limits.high or short > 0:
+                return max(used - self.limits.low, short)
+            device_room = self._device_room()
+            return -device_room if device_room is not None and device_room < 0 else 0
 
     def evict(self) -> tuple[int, int]:
         """Evict clean files, least recently used first, from above the high watermark down to
         the low one. Returns (files, bytes) evicted."""
         to_free = self._to_free()
-        if to_free <= 0:
+        if to_free <= 0 or time.monotonic() < self._idle_until:
             return 0, 0
         with self._cond:
             order = sorted((self._recency.get(ino, 0), ino) for ino, size in self._allocated.items() if size > 0)
             sizes = dict(self._allocated)
         candidates = self._candidates([ino for _, ino in order])
+        if not candidates:
+            # All dirty (the drain is behind): look again in a while, not at every tick.
+            self._idle_until = time.monotonic() + NOTHING_TO_EVICT_PAUSE
+            return 0, 0
         files = freed = 0
         i = 0
         while i < len(candidates) and freed < to_free:
