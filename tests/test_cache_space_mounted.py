@@ -191,6 +191,9 @@ def test_with_the_drain_stopped_a_writer_waits_then_gets_enospc_and_nothing_is_t
     assert metric(text, "ckptfs_backpressure_refused_writes_total") >= 1
     report = status(gw)
     assert report["backpressure"]["refused_writes"] >= 1 and report["backpressure"]["wait_seconds_total"] >= timeout
+    shown = subprocess.run([*ckptfs_cmd(), "status", "--cache-dir", str(gw.cache)], capture_output=True, text=True,
+                           timeout=60, cwd=str(REPO), env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "cache cap" in shown and "64.0 MiB" in shown and "write(s) refused (ENOSPC)" in shown, shown
 
     # After a restart (no kernel page cache left): every file is whole, and the one that failed
     # holds a prefix of what was written, never a hole.
