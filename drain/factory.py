@@ -32,12 +32,12 @@ def open_store(bucket_url: str, *, checksum: str = "auto", concurrency: int = 8,
 
 
 def open_store_for(settings: Settings) -> ObjectStore:
-    """The store a cache directory's settings name, sized for its drain."""
+    """The store a cache directory's settings name, sized for its drain and the gateway's reads."""
     return open_store(
         settings.bucket_url,
         endpoint_url=settings.endpoint_url,
         region=settings.region,
         checksum=settings.checksum,
         sign_payload=bool(getattr(settings, "sign_payload", False)),
-        max_pool_connections=max(16, int(settings.concurrency) * 2),
+        max_pool_connections=max(16, int(settings.concurrency) * 2, int(settings.read_concurrency) + 4),
     )

@@ -11,6 +11,7 @@ drain both call them, and nothing else assigns ``Inode.state``::
                           └──── mark_dirty / mark_needs_upload / mark_meta_changed ───────────────┘
   REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
   any state ──mark_error──> (same state, plus a visible permanent error until the next success)
+  REMOTE ──mark_remote_corrupt──> (same, error RemoteHashMismatch: fetched content failed its blake3)
   DIRTY ──mark_cache_lost──> (same, error CacheFileShort/CacheFileMissing: never uploaded until rewritten)
 
 Alongside the state, an inode sits in the ``pending`` table whenever the bucket does
@@ -174,10 +175,23 @@ def mark_remote(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
 
 
 def mark_cached_clean(txn: Txn, inode: Inode) -> None:
-    """The whole content of a REMOTE file is now in the cache, equal to the bucket's."""
+    """The whole content of a REMOTE file is now in the cache, equal to the bucket's (its
+    blake3 checked where the object has one); clears an earlier read error."""
     if inode.state == FileState.REMOTE:
         inode.state = FileState.CACHED_CLEAN
         txn.put_inode(inode)
+        txn.clear_error(inode.ino)
+
+
+# Permanent error of the read path: the object's content does not match its x-amz-meta-blake3.
+REMOTE_HASH_MISMATCH = "RemoteHashMismatch"
+
+
+def mark_remote_corrupt(txn: Txn, inode: Inode) -> None:
+    """A REMOTE file was fetched whole and its content does not match the object's blake3:
+    it stays REMOTE (never cached-clean) with a visible error until a later fetch verifies."""
+    if inode.state == FileState.REMOTE:
+        mark_error(txn, inode.ino, REMOTE_HASH_MISMATCH)
 
 
 def is_evictable(txn: Txn, inode: Inode) -> bool:

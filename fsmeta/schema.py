@@ -49,8 +49,10 @@ database      key                             value
                                               unlinked file, removed dir marker)
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
-``errors``    ino                             utf-8: the last permanent upload error
-                                              (``user.ckptfs.state`` shows it)
+``errors``    ino                             utf-8: the last permanent upload error, or a
+                                              read-path error of a REMOTE file
+                                              (``RemoteHashMismatch``; ``user.ckptfs.state``
+                                              shows it)
 ============  ==============================  ============================================
 
 Invariants kept by every write transaction:

@@ -216,6 +216,10 @@ class Settings:
     cache_high_watermark: float | str = DEFAULT_HIGH_WATERMARK
     cache_low_watermark: float | str = DEFAULT_LOW_WATERMARK
     backpressure_timeout: float = DEFAULT_BACKPRESSURE_TIMEOUT
+    # read path (gateway/fetch.py): ranged GETs of remote files into the cache
+    read_part_size: int = 8 * MIB  # largest ranged GET
+    read_max_readahead: int = 256 * MIB  # largest read-ahead window of a sequential reader
+    read_concurrency: int = 16  # ranged GETs in flight, whole gateway
     # raw [lifecycle] table, validated by lifecycle.rules
     lifecycle: dict = field(default_factory=dict)
 
@@ -259,6 +263,13 @@ class Settings:
             raise ConfigError(f"drain.part_size: must be between 5MiB and 5GiB (S3 limits), got {self.part_size!r}")
         if not 1 <= int(self.concurrency) <= 256:
             raise ConfigError(f"drain.concurrency: must be 1..256, got {self.concurrency!r}")
+        if not 64 * 1024 <= int(self.read_part_size) <= 1 * GIB:
+            raise ConfigError(f"read.part_size: must be between 64KiB and 1GiB, got {self.read_part_size!r}")
+        if not int(self.read_part_size) <= int(self.read_max_readahead) <= 64 * GIB:
+            raise ConfigError(f"read.max_readahead: must be between read.part_size ({self.read_part_size}) "
+                              f"and 64GiB, got {self.read_max_readahead!r}")
+        if not 1 <= int(self.read_concurrency) <= 256:
+            raise ConfigError(f"read.concurrency: must be 1..256, got {self.read_concurrency!r}")
         if not isinstance(self.markers, list) or not all(isinstance(m, str) and m for m in self.markers):
             raise ConfigError(f"drain.markers: must be a list of file-name patterns, got {self.markers!r}")
         if self.checksum not in CHECKSUMS:
@@ -309,6 +320,11 @@ _TOML_KEYS = {
         "checksum": "checksum",
         "sign_payload": "sign_payload",
     },
+    "read": {
+        "part_size": "read_part_size",
+        "max_readahead": "read_max_readahead",
+        "concurrency": "read_concurrency",
+    },
 }
 
 _TYPES = {
@@ -317,6 +333,7 @@ _TYPES = {
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
     "cache_max_size": (str, int), "cache_high_watermark": (int, float, str), "cache_low_watermark": (int, float, str),
     "backpressure_timeout": (int, float),
+    "read_part_size": (str, int), "read_max_readahead": (str, int), "read_concurrency": int,
 }
 
 
@@ -343,7 +360,7 @@ def load_toml(path: str) -> dict:
         if isinstance(value, dict):
             table = _TOML_KEYS.get(key)
             if table is None or key == "":
-                raise ConfigError(f"{key}: unknown table (known: mount, cache, drain, lifecycle)")
+                raise ConfigError(f"{key}: unknown table (known: mount, cache, drain, read, lifecycle)")
             for sub, subvalue in value.items():
                 name = f"{key}.{sub}"
                 if sub not in table:
@@ -362,7 +379,7 @@ def _set(values: dict, name: str, attr: str, value) -> None:
         raise ConfigError(f"{name}: unexpected boolean {value!r}")
     if not isinstance(value, expected):
         raise ConfigError(f"{name}: wrong type {type(value).__name__} ({value!r})")
-    if attr == "part_size":
+    if attr in ("part_size", "read_part_size", "read_max_readahead"):
         value = parse_size(name, value)
     elif attr == "cache_max_size":
         parse_cache_cap(name, value, 1 << 40)  # refused here, by its TOML name

@@ -21,18 +21,20 @@ stay here: they are the glue between the parts.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import threading
 import time
 from dataclasses import dataclass
 
-from ckptfs.fsmeta import Inode, MetaStore, Txn, durability
+from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
-from ckptfs.fsmeta.records import FileState
 
 from . import datapath, recovery
+from .bucket import BucketClient
 from .errors import FsError
+from .fetch import Fetcher, ReadSettings
 from .files import Handle, OpenFiles
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
@@ -41,6 +43,7 @@ from .space import CacheSpace, SpaceLimits
 from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
 from .xattrs import (  # noqa: F401
     BLAKE3_XATTR,
+    PREFETCH_XATTR,
     STATE_XATTR,
     XATTR_CREATE,
     XATTR_NAME_MAX,
@@ -48,12 +51,6 @@ from .xattrs import (  # noqa: F401
     XATTR_SIZE_MAX,
     Xattrs,
 )
-
-
-def _not_cached(inode: Inode) -> FsError:
-    """An evicted (REMOTE) file's content is only in the bucket, and this branch does not fetch
-    it yet (read-through is built separately): refuse instead of serving zeros."""
-    return FsError(errno.EIO, f"inode {inode.ino}: content evicted from the cache; read-through not available")
 
 
 @dataclass
@@ -96,13 +93,16 @@ class SetattrRequest:
 
 
 class FsCore:
-    def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns):
+    def __init__(self, cache_dir: str, meta: MetaStore, *, key_prefix: str = "", clock=time.time_ns,
+                 bucket: BucketClient | None = None, read: ReadSettings | None = None):
         self.cache_dir = cache_dir
         self.cache = CacheDir(cache_dir)
         self.data_dir = self.cache.data_dir
         self.cache.make_dirs()
         self.meta = meta
-        self._state = CoreState(self.cache, meta, clock)
+        self._state = CoreState(self.cache, meta, clock, bucket=bucket)
+        if bucket is not None:
+            self._state.fetcher = Fetcher(self._state, bucket, read)
         self._open = self._state.open_files  # by inode; read by tests
         self._keys = BucketKeys(key_prefix.strip("/"))
         self._lookups = LookupCounts(self._state)
@@ -186,7 +186,7 @@ class FsCore:
             of = self._open.get(inode.ino)
             size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
             if of is not None:
-                if self._state.backing is not None:
+                if self._state.backing is not None and of.remote is None:
                     datapath.refresh(of)  # writes went straight to the cache file
                 size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
@@ -244,6 +244,7 @@ class FsCore:
         if req.size is not None and of is not None:
             # Persist in-memory attributes first so the truncate below is the latest state.
             self._files.persist(of)
+        prefix_fetched = False
 
         def apply(txn: Txn) -> Inode:
             inode = need_inode(txn, ino)
@@ -252,8 +253,8 @@ class FsCore:
                     raise FsError(errno.EISDIR)
                 if not inode.is_reg:
                     raise FsError(errno.EINVAL)
-                if inode.state == FileState.REMOTE and req.size != 0:
-                    raise _not_cached(inode)
+                if inode.state == FileState.REMOTE and req.size != 0 and not prefix_fetched:
+                    raise EvictedMeanwhile  # evicted since it was looked at: fetch what stays
                 inode.size = req.size
                 inode.mtime_ns = now
                 durability.mark_dirty(txn, inode, now)
@@ -278,18 +279,24 @@ class FsCore:
         if req.size is not None:
             # Truncate under the inode's I/O lock so a concurrent write cannot land between.
             lock = of.io_lock if of is not None else threading.Lock()
-            with lock:
-                inode = self.meta.write(apply)
-                self._files.truncate_data(ino, req.size)
-                with self._state.lock:
-                    of = self._open.get(ino)
-                    if of is not None:
-                        of.size = req.size
-                        of.mtime_ns = inode.mtime_ns
-                        of.ctime_ns = inode.ctime_ns
-                        of.needs_bump = True
-                        if self._state.backing is not None:
-                            datapath.align(of, inode.atime_ns, inode.mtime_ns)
+            while True:
+                prefix_fetched = self._keep_remote_prefix(ino, req.size)
+                with lock:
+                    try:
+                        inode = self.meta.write(apply)
+                    except EvictedMeanwhile:
+                        continue
+                    self._files.truncate_data(ino, req.size)
+                    with self._state.lock:
+                        of = self._open.get(ino)
+                        if of is not None:
+                            of.size = req.size
+                            of.mtime_ns = inode.mtime_ns
+                            of.ctime_ns = inode.ctime_ns
+                            of.needs_bump = True
+                            if self._state.backing is not None:
+                                datapath.align(of, inode.atime_ns, inode.mtime_ns)
+                break
         else:
             inode = self.meta.write(apply)
             with self._state.lock:
@@ -302,6 +309,43 @@ class FsCore:
                     of.ctime_ns = inode.ctime_ns
         with self._state.lock:
             return self._attr(inode)
+
+    def _keep_remote_prefix(self, ino: int, size: int) -> bool:
+        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, then
+        hand its cache file to the ordinary write path. False: the file was not REMOTE."""
+        with self.meta.read() as txn:
+            inode = need_inode(txn, ino)
+        if inode.state != FileState.REMOTE:
+            return False
+        fetcher = self._state.fetcher
+        if fetcher is None:
+            if size:
+                raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+            return True
+        if size:
+            rf = fetcher.acquire(inode)
+            try:
+                fetcher.fetch_range(rf, size)
+            finally:
+                fetcher.release(rf)
+        fetcher.detach(ino)
+        return True
+
+    def fetch(self, ino: int) -> int:
+        """Have the whole content of a REMOTE file in the cache, checked and cached-clean
+        (``ckptfs prefetch``, open for writing). Returns the bytes fetched from the bucket."""
+        with self.meta.read() as txn:
+            inode = need_inode(txn, ino)
+        if not inode.is_reg or inode.state != FileState.REMOTE:
+            return 0
+        fetcher = self._state.fetcher
+        if fetcher is None:
+            raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+        rf = fetcher.acquire(inode)
+        try:
+            return fetcher.fetch_all(rf)
+        finally:
+            fetcher.release(rf)
 
     def readlink(self, ino: int) -> bytes:
         with self.meta.read() as txn:
@@ -350,12 +394,14 @@ class FsCore:
                 raise FsError(errno.EISDIR)
             if not inode.is_reg:
                 raise FsError(errno.EINVAL)
-            if inode.state == FileState.REMOTE:
-                if not flags & os.O_TRUNC:
-                    raise _not_cached(inode)
-                # Its whole content is replaced: no need to fetch it (an O_TRUNC open that fails
-                # after this still leaves the file empty, as on a local file system).
-                self.setattr(ino, SetattrRequest(size=0))
+            if inode.state == FileState.REMOTE and (flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY):
+                # Written locally from now on: O_TRUNC needs none of the old content, any other
+                # open for writing gets all of it first (an ordinary local file after that).
+                # Then read the inode again: the evictor may have taken it back meanwhile.
+                if flags & os.O_TRUNC:
+                    self.setattr(ino, SetattrRequest(size=0))
+                else:
+                    self.fetch(ino)
                 continue
             try:
                 fh = self._files.open_handle(inode, flags, seen_eviction=seen_eviction)
@@ -437,6 +483,10 @@ class FsCore:
     # -- extended attributes ----------------------------------------------------------------
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name == PREFETCH_XATTR:
+            fetched = self.fetch(ino)
+            size = self.getattr(ino).size
+            return json.dumps({"bytes": size, "fetched": fetched}, separators=(",", ":")).encode()
         return self._xattrs.getxattr(ino, name)
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:

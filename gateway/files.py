@@ -10,15 +10,17 @@ gateway sees no writes: see gateway/datapath.py for what replaces the above.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 from dataclasses import dataclass, field
 
-from ckptfs.fsmeta import Inode, Txn, durability
+from ckptfs.fsmeta import FileState, Inode, Txn, durability
 
 from . import datapath
 from .errors import FsError
+from .fetch import ReadAhead, RemoteFile
 from .lookups import LookupCounts
 from .state import CoreState, EvictedMeanwhile, need_inode
 from .writeback import WriteBehind
@@ -46,6 +48,9 @@ class OpenFile:
     # The first write refused for want of cache space (gateway/space.py): the file is cut
     # there at the next persist, so it never holds a hole, and later writes fail too.
     space_failed_at: int | None = None
+    # read path (gateway/fetch.py): opened while REMOTE, so the gateway serves its reads and
+    # fills the cache file on demand (no backing id, whatever the data path)
+    remote: RemoteFile | None = None
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Handle:
     writable: bool
     open_file: OpenFile | None = None  # None for directories
     dir_snapshot: list | None = None
+    readahead: ReadAhead | None = None  # files opened while REMOTE
 
 
 class OpenFiles:
@@ -75,16 +81,27 @@ class OpenFiles:
         # writing now is served by the gateway, so that its writes can wait for room.
         served_by_gateway = (writable and s.backing is not None and s.space is not None
                              and inode.ino not in s.open_files and s.space.under_pressure())
+        remote = None
+        if inode.state == FileState.REMOTE:
+            if s.fetcher is None:
+                raise FsError(errno.EIO, f"inode {inode.ino} is in the bucket only, and no bucket is open")
+            remote = s.fetcher.acquire(inode)
         with s.lock:
             of = s.open_files.get(inode.ino)
-            if of is None:
-                if s.wait_not_evicting(inode.ino) or (seen_eviction is not None
-                                                      and seen_eviction != s.eviction_seq):
-                    raise EvictedMeanwhile
+            if of is None and (s.wait_not_evicting(inode.ino) or (seen_eviction is not None
+                                                                  and seen_eviction != s.eviction_seq)):
+                if remote is not None:
+                    s.fetcher.release(remote)
+                raise EvictedMeanwhile
+            if of is None or (remote is not None and of.remote is None):
+                if of is not None:  # open natively: a mode cannot change while a handle is open
+                    s.fetcher.release(remote)
+                    raise FsError(errno.EIO, f"inode {inode.ino} is open on the native data path")
                 fd = s.open_cache_file(inode.ino)
-                of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns)
+                of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns, remote=remote)
                 s.open_files[inode.ino] = of
-                if s.backing is not None:
+                remote = None  # the open file holds it now
+                if s.backing is not None and of.remote is None:
                     try:
                         self._adopt(of, inode, attach=not served_by_gateway)
                     except BaseException:
@@ -96,7 +113,10 @@ class OpenFiles:
                 of.writers += 1
                 of.opened_for_write = True
             fh = next(s.next_fh)
-            s.handles[fh] = Handle(fh, inode.ino, writable, of)
+            s.handles[fh] = Handle(fh, inode.ino, writable, of,
+                                   readahead=ReadAhead() if of.remote is not None else None)
+        if remote is not None:  # the open file already holds the inode's fetch state
+            s.fetcher.release(remote)
         if s.space is not None:
             s.space.touch(inode.ino)
         if writable:
@@ -168,6 +188,8 @@ class OpenFiles:
     def read(self, fh: int, offset: int, size: int) -> bytes:
         h = self.handle(fh)
         of = h.open_file
+        if of.remote is not None:
+            self._state.fetcher.read_through(of.remote, h.readahead, offset, size)
         with self._state.lock:
             end = min(offset + size, of.size)
         if end <= offset:
@@ -254,7 +276,7 @@ class OpenFiles:
             self._cut_at_failure(of)
             with s.lock:
                 # Passthrough: writes went straight to the cache file, unseen.
-                moved = s.backing is not None and datapath.refresh(of)
+                moved = s.backing is not None and of.remote is None and datapath.refresh(of)
                 if not of.attrs_dirty:
                     of.needs_bump = True
                     return
@@ -316,6 +338,8 @@ class OpenFiles:
         if h.open_file is not None and h.writable:
             self.persist(h.open_file)
             self._raise_space_failure(h.open_file)
+        if h.open_file is not None and h.open_file.remote is not None:
+            self._state.fetcher.check(h.open_file.remote)  # close reports a failed blake3 check
 
     @staticmethod
     def _raise_space_failure(of: OpenFile) -> None:
@@ -361,6 +385,12 @@ class OpenFiles:
             if last:
                 if s.backing is not None:
                     self._release_backing(of)
+                if of.remote is not None:
+                    # The next open takes the native path if the fetch completed: wait for the
+                    # cached-clean commit (close(2) does not wait for RELEASE).
+                    with contextlib.suppress(FsError):  # reported to the reader already
+                        s.fetcher.wait_checked(of.remote, commit=True)
+                    s.fetcher.release(of.remote)
                 if s.space is not None:
                     s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
                 os.close(of.fd)

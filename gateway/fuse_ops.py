@@ -164,6 +164,9 @@ class CkptOperations(pyfuse3.Operations):
 
     def _file_info(self, fh: int) -> pyfuse3.FileInfo:
         # Passthrough: the kernel reads and writes the cache file itself (no keep_cache then).
+        # Opens the gateway serves in a passthrough mount (REMOTE files being fetched, writers
+        # under cache pressure) fill the FUSE inode's page cache, which passthrough writes to the
+        # cache file never update: keeping it across opens could serve stale pages.
         if self.core.passthrough:
             bid = self.core.backing_id(fh)
             if bid:

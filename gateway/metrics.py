@@ -29,6 +29,28 @@ FUSE_SECONDS = Histogram(
 )
 WRITE_BYTES = Counter("ckptfs_write_bytes_total", "Bytes written through the mount", registry=REGISTRY)
 READ_BYTES = Counter("ckptfs_read_bytes_total", "Bytes read through the mount", registry=REGISTRY)
+# The read path (gateway/fetch.py): reads of files opened while REMOTE, and their GETs.
+REMOTE_READ_BYTES = Counter(
+    "ckptfs_remote_read_bytes_total",
+    "Bytes read from files opened while remote, by where they were when asked: source=cache (already "
+    "fetched) or bucket (the read waited for a GET)", ["source"], registry=REGISTRY,
+)
+BUCKET_GET_BYTES = Counter("ckptfs_bucket_get_bytes_total", "Bytes fetched from the bucket into the cache "
+                           "(ranged GETs of reads, read-ahead, prefetch and open for writing)", registry=REGISTRY)
+BUCKET_GET_SECONDS = Histogram(
+    "ckptfs_bucket_get_duration_seconds", "Seconds per ranged GET into the cache (excluding the queue)",
+    registry=REGISTRY, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+FETCHES_IN_FLIGHT = Gauge("ckptfs_fetches_in_flight", "Ranged GETs into the cache in flight", registry=REGISTRY)
+FETCH_ERRORS = Counter(
+    "ckptfs_fetch_errors_total", "Failed ranged GETs, by kind: changed (ETag moved: ESTALE), missing "
+    "(object gone), failed (other errors; the next read retries)", ["kind"], registry=REGISTRY,
+)
+INTEGRITY_FAILURES = Counter(
+    "ckptfs_integrity_failures_total",
+    "Remote files fetched whole whose content did not match x-amz-meta-blake3 (EIO, error state)",
+    registry=REGISTRY,
+)
 DATA_PATH = Gauge("ckptfs_data_path", "1 for the data path this gateway runs: passthrough or writeback",
                   ["mode"], registry=REGISTRY)
 drain_metrics.add_build_info(REGISTRY)

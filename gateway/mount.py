@@ -28,7 +28,9 @@ from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 
 from . import datapath, metrics, passthrough, space
+from .bucket import BucketClient
 from .core import FsCore
+from .fetch import ReadSettings
 from .fuse_ops import CkptOperations
 from .supervisor import DrainSupervisor
 
@@ -225,7 +227,13 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         meta.close()
         return fail(str(exc))
 
-    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix)
+    try:
+        bucket = BucketClient(lambda: open_store_for(settings)).start()
+    except Exception as exc:
+        meta.close()
+        return fail(f"bucket {settings.bucket_url}: cannot open it for reading: {exc}")
+    core = FsCore(settings.cache_dir, meta, key_prefix=settings.key_prefix, bucket=bucket,
+                  read=ReadSettings.from_settings(settings))
     recovered = core.recover()
     if any(recovered.values()):
         log.info("recovered cache: %s", recovered)
@@ -332,6 +340,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         except Exception:  # already unmounted by fusermount3 -u
             pass
         supervisor.stop()
+        bucket.close()
         meta.sync()
         meta.close()
         os.close(lock_fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ckptfs.fsmeta import Txn
+from ckptfs.fsmeta import FileState, Txn
 from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 
 from .state import CoreState
@@ -22,7 +22,8 @@ def recover(state: CoreState) -> dict:
     (:func:`ckptfs.fsmeta.recovery.reconcile_cache_lengths`, which the drain
     runs too: too long is cut, too short or missing is a permanent error).
     Cache files whose inode no longer exists (a crash between the commit that
-    dropped the inode and the unlink of its file) are removed.
+    dropped the inode and the unlink of its file) are removed, and so are those of
+    REMOTE inodes (a fetch the crashed run did not finish: never taken for complete).
     """
     def fix(txn: Txn) -> dict:
         txn.clear_writers()
@@ -66,7 +67,15 @@ def remove_stray_cache_files(state: CoreState) -> int:
             by_ino[ino] = entry.name
     with state.meta.read() as txn:
         strays = [ino for ino in by_ino if txn.get_inode(ino) is None]
+        # The present-ranges record of a fetch lives in memory only (gateway/fetch.py): the
+        # cache file of a file still REMOTE may be partly filled, and is never taken for complete.
+        partial = [ino for ino in by_ino if (inode := txn.get_inode(ino)) is not None
+                   and inode.state == FileState.REMOTE]
     for ino in strays:
         log.info("cache directory: removing %s, the cache file of a deleted inode", by_ino[ino])
+        state.remove_data(ino)
+    for ino in partial:
+        log.info("cache directory: removing %s, a fetch of a remote file the last run did not finish",
+                 by_ino[ino])
         state.remove_data(ino)
     return len(strays)

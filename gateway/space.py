@@ -319,8 +319,8 @@ class CacheSpace:
         claimed = []
         with s.lock:
             for ino in inos:
-                if ino in s.open_files or ino in s.evicting:
-                    continue  # open files are never evicted
+                if ino in s.open_files or ino in s.evicting or (s.fetcher is not None and s.fetcher.holds(ino)):
+                    continue  # open files (and files being fetched) are never evicted
                 s.evicting.add(ino)
                 claimed.append(ino)
             s.eviction_seq += 1

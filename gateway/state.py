@@ -19,7 +19,9 @@ from ckptfs.fsmeta.layout import CacheDir
 from .errors import FsError
 
 if TYPE_CHECKING:
+    from .bucket import BucketClient
     from .datapath import Backing
+    from .fetch import Fetcher
     from .files import Handle, OpenFile
     from .space import CacheSpace
 
@@ -42,6 +44,8 @@ class CoreState:
     # the file must also make its name in data/ durable.
     unsynced_cache_names: set[int] = field(default_factory=set)
     backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
+    bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
+    fetcher: Fetcher | None = None  # fetches REMOTE files into the cache (gateway/fetch.py); needs bucket
     space: CacheSpace | None = None  # the cache cap, eviction, backpressure (gateway/space.py)
     # Inodes whose cache file the evictor is removing: their first open (and a truncate
     # without a handle) waits on ``evicting_done``, then reads the inode again.
@@ -109,6 +113,8 @@ class CoreState:
             os.close(dir_fd)
 
     def remove_data(self, ino: int) -> None:
+        if self.fetcher is not None:
+            self.fetcher.discard(ino)
         with self.lock:
             self.unsynced_cache_names.discard(ino)
         try:

@@ -18,6 +18,9 @@ XATTR_REPLACE = 2
 
 STATE_XATTR = b"user.ckptfs.state"
 BLAKE3_XATTR = b"user.ckptfs.blake3"
+# Reading it fetches the whole file into the cache first (``ckptfs prefetch``); the value is
+# JSON: {"bytes": size, "fetched": bytes this call asked the bucket for}.
+PREFETCH_XATTR = b"user.ckptfs.prefetch"
 
 
 class Xattrs:

@@ -119,22 +119,85 @@ def test_dirty_open_pending_uploading_and_markers_are_never_evicted(core):
     assert state(core, held_open) == FileState.REMOTE  # once closed, it goes too
 
 
-def test_evicted_file_opens_with_o_trunc_and_refuses_a_plain_open_until_read_through(core):
-    ino = write_file(core, b"f", MIB)
-    make_durable(core, ino)
+@pytest.fixture
+def read_env(tmp_path):
+    from test_core_readpath import ReadEnv
+
+    from ckptfs.gateway.fetch import ReadSettings
+    e = ReadEnv(tmp_path, ReadSettings(part_size=256 << 10, max_readahead=MIB, concurrency=4))
+    yield e
+    e.close()
+    e.client.close()
+
+
+def test_evicted_file_opens_with_o_trunc_and_reads_back_through_the_fetcher(read_env):
+    core = read_env.core
+    data = os.urandom(MIB)
+    ino = read_env.remote(b"f", data)  # as an eviction leaves it
+    fh = core.open(ino, os.O_RDONLY)
+    assert core.read(fh, 0, MIB) == data  # fetched again, never zeros
+    core.release(fh)
+    assert state(core, ino) == FileState.CACHED_CLEAN
     cap(core, 0.5).tick()
-    assert state(core, ino) == FileState.REMOTE
-    with pytest.raises(FsError) as exc:
-        core.open(ino, os.O_RDONLY)
-    assert exc.value.errno == errno.EIO  # never zeros for the bytes the cache dropped
-    with pytest.raises(FsError):
-        core.setattr(ino, SetattrRequest(size=10))
-    fh = core.open(ino, os.O_WRONLY | os.O_TRUNC)  # a checkpoint overwritten in place
+    assert state(core, ino) == FileState.REMOTE and not cached(core, ino)
+    core.setattr(ino, SetattrRequest(size=10))  # keeps a prefix: fetched
+    with open(core.cache.data_path(ino), "rb") as f:
+        assert f.read() == data[:10]
+    other = read_env.remote(b"g", data)
+    fh = core.open(other, os.O_WRONLY | os.O_TRUNC)  # a checkpoint overwritten in place
     core.write(fh, 0, b"new")
     core.release(fh)
-    assert state(core, ino) == FileState.DIRTY and core.getattr(ino).size == 3
-    with open(core.cache.data_path(ino), "rb") as f:
+    assert state(core, other) == FileState.DIRTY and core.getattr(other).size == 3
+    with open(core.cache.data_path(other), "rb") as f:
         assert f.read() == b"new"
+
+
+def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monkeypatch):
+    """Prefetches race with the evictor, which also removes the cache files of REMOTE files:
+    a file the fetcher holds must keep its cache file, or it becomes cached-clean with none
+    and later reads serve zeros."""
+    from ckptfs.gateway import space as space_mod
+    monkeypatch.setattr(space_mod, "NOTHING_TO_EVICT_PAUSE", 0.0)
+    core = read_env.core
+    blobs = {}
+    for i in range(12):
+        data = os.urandom(256 << 10)
+        blobs[read_env.remote(f"f{i}".encode(), data)] = data
+    space = cap(core, 0.5, high=0.2, low=0.01)  # anything cached is over the high watermark
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def fetcher():
+        while not stop.is_set():
+            for ino in blobs:
+                core.fetch(ino)
+
+    def reader():
+        while not stop.is_set():
+            for ino, data in blobs.items():
+                fh = core.open(ino, os.O_RDONLY)
+                try:
+                    got = core.read(fh, 0, len(data))
+                finally:
+                    core.release(fh)
+                if got != data:
+                    bad.append(f"inode {ino}: {len(got)} bytes, {got.count(0)} zero bytes")
+
+    threads = [threading.Thread(target=fetcher), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not bad:
+        space.scan()
+        space.evict()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert bad == []
+    for ino, data in blobs.items():
+        if state(core, ino) != FileState.REMOTE:
+            with open(core.cache.data_path(ino), "rb") as f:
+                assert f.read() == data, ino
 
 
 def test_an_open_racing_with_eviction_never_sees_a_removed_cache_file(core):
@@ -223,14 +286,11 @@ def test_a_crash_between_mark_evicted_and_the_unlink_is_harmless(core_env):
     ino = write_file(core, b"f", MIB)
     make_durable(core, ino)
     core.meta.write(lambda txn: durability.mark_evicted(txn, txn.get_inode(ino)))  # crash here
-    core = core_env.reopen()
-    assert cached(core, ino) and state(core, ino) == FileState.REMOTE
+    core = core_env.reopen()  # the start removes the cache files of REMOTE inodes
+    assert not cached(core, ino) and state(core, ino) == FileState.REMOTE
     assert fsmeta_problems(core.meta) == []
     with core.meta.read() as txn:
         assert cache_file_findings(txn, core.cache.data_dir) == []
-    space = cap(core, 0.5)
-    space.tick()  # the leftover is removed like any clean cache file
-    assert not cached(core, ino) and state(core, ino) == FileState.REMOTE
 
 
 def test_an_evicted_file_is_normal_to_recovery_fsck_and_the_drain_reconcile(core_env):

@@ -144,7 +144,6 @@ def test_writing_three_times_the_cap_with_the_drain_running(gateway_factory, tmp
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
 
 
-@pytest.mark.xfail(reason="needs read-through (branch readpath)", strict=True)
 def test_an_evicted_file_reads_back_through_the_mount(gateway_factory, tmp_path):
     gw = capped(gateway_factory, tmp_path, settle=0.1, cap=4 * FILE)
     for shard in range(6):

@@ -8,6 +8,7 @@ module             commands
 ``cli.status``     ``status``, ``wait-durable``
 ``cli.lifecycle``  ``lifecycle plan|apply``, ``promote``
 ``cli.fsck``       ``fsck``
+``cli.readpath``   ``prefetch``, ``verify``
 =================  ===============================================
 
 Exit codes: 0 success, 1 failure, 2 a bad setting or usage (the message names it).
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import drain, fsck, lifecycle, mount, status
+from . import drain, fsck, lifecycle, mount, readpath, status
 from .common import setup_logging
 
-COMMAND_GROUPS = (mount, drain, status, lifecycle, fsck)
+COMMAND_GROUPS = (mount, drain, status, lifecycle, fsck, readpath)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,159 @@
+"""``ckptfs prefetch PATH`` and ``ckptfs verify PATH``: the read path from the command line.
+
+``prefetch`` warms the cache before a resume: every regular file at or below PATH (a path on
+a ckptfs mount) is fetched whole by the gateway, in parallel. The CLI asks for each file by
+reading its ``user.ckptfs.prefetch`` extended attribute, which the gateway answers only once
+the file is in the cache, checked and cached-clean (``gateway/fetch.py``); the gateway's
+``[read] concurrency`` bounds the GETs in flight across all of them. ``--json`` prints one
+object: ``files``, ``bytes``, ``fetched`` (bytes asked from the bucket; the rest was cached
+already), ``seconds``, ``gbps`` and ``errors`` (path -> message). Exit 1 if any file failed.
+
+``verify`` re-reads what the bucket holds under PATH and checks each object against its
+``x-amz-meta-blake3``, against the hash fsmeta recorded and against the cached copy
+(``drain/verify.py``). It talks to the bucket directly, with the settings the cache directory
+remembers (like ``ckptfs fsck --bucket``). ``--json`` prints ``{"ok", "checked": [{"key",
+"size", "status", "detail"}]}``. Exit 1 if anything is mismatched or missing.
+
+Both exit 2 when PATH is not on a ckptfs mount.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import trio
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+from ckptfs.drain import verify as bucket_verify
+from ckptfs.drain.factory import open_store_for
+from ckptfs.fsmeta.layout import CacheDir
+from ckptfs.fsmeta.settings import Settings
+from ckptfs.gateway.mount import NotOnMount, find_mount
+from ckptfs.gateway.xattrs import PREFETCH_XATTR
+
+from .common import human_bytes
+
+PREFETCH_JOBS = 16  # files asked for at once (each holds a gateway worker thread while it waits)
+
+
+def files_under(path: str) -> list[tuple[str, int]]:
+    """(path, size) of every regular file at or below ``path`` (symlinks not followed)."""
+    if not os.path.isdir(path):
+        return [(path, os.stat(path).st_size)]
+    out = []
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode):
+                out.append((full, st.st_size))
+    return out
+
+
+def prefetch(path: str, *, jobs: int = PREFETCH_JOBS, on_file=None) -> dict:
+    """Have the gateway fetch every file below ``path`` into its cache; a summary."""
+    files = files_under(path)
+    start = time.monotonic()
+    fetched = 0
+    errors: dict[str, str] = {}
+
+    def one(item: tuple[str, int]) -> int:
+        answer = os.getxattr(item[0], os.fsdecode(PREFETCH_XATTR))
+        return int(json.loads(answer)["fetched"])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(files)))) as pool:
+        futures = {pool.submit(one, item): item for item in files}
+        for future in as_completed(futures):
+            file_path, size = futures[future]
+            try:
+                fetched += future.result()
+            except OSError as exc:
+                errors[file_path] = exc.strerror or str(exc)
+            if on_file is not None:
+                on_file(size)
+    seconds = time.monotonic() - start
+    total = sum(size for _, size in files)
+    return {"files": len(files), "bytes": total, "fetched": fetched, "seconds": round(seconds, 3),
+            "gbps": round(total / seconds / 1e9, 3) if seconds > 0 else None, "errors": errors}
+
+
+def cmd_prefetch(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        find_mount(args.path)
+    except NotOnMount as exc:
+        print(f"ckptfs prefetch: {exc}", file=sys.stderr)
+        return 2
+    if not args.json and sys.stderr.isatty():
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=sys.stderr)) as bar:
+            task = bar.add_task("prefetch", total=sum(size for _, size in files_under(args.path)))
+            summary = prefetch(args.path, jobs=args.jobs, on_file=lambda n: bar.advance(task, n))
+    else:
+        summary = prefetch(args.path, jobs=args.jobs)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        rate = f"{summary['gbps']:.2f} GB/s" if summary["gbps"] is not None else "-"
+        print(f"prefetch: {summary['files']} files, {human_bytes(summary['bytes'])} "
+              f"({human_bytes(summary['fetched'])} from the bucket) in {summary['seconds']:.2f} s, {rate}")
+        for file_path, message in sorted(summary["errors"].items()):
+            print(f"  {file_path}: {message}", file=sys.stderr)
+    return 1 if summary["errors"] else 0
+
+
+def run_verify(path: str, *, concurrency: int = 8) -> list[bucket_verify.Checked]:
+    """Check the bucket's objects under ``path`` (on a ckptfs mount). Raises NotOnMount."""
+    _, cache_dir, rel = find_mount(path)
+    cache = CacheDir(cache_dir)
+    meta = cache.open_meta()
+    try:
+        settings = Settings.from_json(meta.get_settings() or {})
+
+        async def run() -> list[bucket_verify.Checked]:
+            async with open_store_for(settings) as store:
+                return await bucket_verify.verify_tree(cache, meta, store, rel, concurrency=concurrency)
+
+        return trio.run(run)
+    finally:
+        meta.close()
+
+
+def cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        checked = run_verify(args.path, concurrency=args.jobs)
+    except NotOnMount as exc:
+        print(f"ckptfs verify: {exc}", file=sys.stderr)
+        return 2
+    problems = [c for c in checked if c.status in bucket_verify.PROBLEMS]
+    if args.json:
+        json.dump({"ok": not problems, "checked": [c.to_json() for c in checked]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for c in problems:
+            print(f"{c.status}: {c.key}: {c.detail}")
+        unchecked = sum(c.status == bucket_verify.UNCHECKED for c in checked)
+        print(f"verify: {len(checked)} objects, {len(problems)} problems"
+              + (f", {unchecked} without a blake3 to check" if unchecked else ""))
+    return 1 if problems else 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefetch", help="fetch a file or checkpoint directory into the cache, in parallel")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--jobs", type=int, default=PREFETCH_JOBS, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_prefetch)
+
+    p = sub.add_parser("verify", help="re-read the bucket's objects under PATH and check their blake3")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--jobs", type=int, default=8, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_verify)
