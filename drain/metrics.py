@@ -103,6 +103,9 @@ class DrainCollector(Collector):
             status = txn.get_drain_status() or {}
             open_uploads = sum(1 for _ in txn.iter_uploads())
             in_error = txn.count_errors()
+            space = txn.get_space_status() or {}
+        if space and self.cache.gateway_pid() is None:
+            space = {}  # the last figures of a stopped gateway
         now_s = status.get("updated_ns", 0) / 1e9
         yield GaugeMetricFamily("ckptfs_dirty_files", "Files and directories the bucket does not match yet",
                                 value=summary.files)
@@ -135,18 +138,42 @@ class DrainCollector(Collector):
                                 "Seconds from a file's last close or fsync to its being durable", [],
                                 {"": histograms["time_to_durable_seconds"]}
                                 if "time_to_durable_seconds" in histograms else {})
-        used = self.cache.used_bytes()
-        cache = GaugeMetricFamily("ckptfs_cache_bytes", "Bytes of cache files, by state", labels=["state"])
-        cache.add_metric(["dirty"], min(summary.bytes, used))
-        cache.add_metric(["clean"], max(0, used - summary.bytes))
-        yield cache
-        fs = os.statvfs(self.cache.root)
-        # No cache cap is configurable yet: the cache may fill its device.
-        yield GaugeMetricFamily("ckptfs_cache_max_bytes", "Bytes the cache may use (its device's size)",
-                                value=fs.f_blocks * fs.f_frsize)
+        yield from _cache_families(self.cache, summary.bytes, space)
         yield GaugeMetricFamily("ckptfs_drain_status_age_seconds",
                                 "Seconds since the drain last published its status (a stuck or absent drain grows)",
                                 value=max(0.0, time.time() - now_s) if now_s else 0.0)
+
+
+def _cache_families(cache: CacheDir, dirty_bytes: int, space: dict):
+    """Cache use (measured here), and the cap, evictions and backpressure from a live
+    gateway's ``meta/space_status`` (gateway/space.py); without a gateway the cap is the device."""
+    used = cache.used_bytes()
+    dirty = min(dirty_bytes, used)
+    # REMOTE files' cache files (crash leftovers, partial fetches) as of the gateway's last scan
+    remote = min((space.get("bytes_by_state") or {}).get("remote", 0), used - dirty)
+    by_state = {"dirty": dirty, "clean": used - dirty - remote, "remote": remote}
+    family = GaugeMetricFamily("ckptfs_cache_bytes", "Bytes of cache files, by state (dirty: not in the bucket "
+                               "yet; clean: evictable; remote: leftovers and partial fetches)", labels=["state"])
+    for state in ("dirty", "clean", "remote"):
+        family.add_metric([state], by_state.get(state, 0))
+    yield family
+    cap = space.get("cap_bytes")
+    if cap is None:
+        fs = os.statvfs(cache.root)
+        cap = fs.f_blocks * fs.f_frsize
+    yield GaugeMetricFamily("ckptfs_cache_max_bytes", "Bytes the cache may use ([cache] max_size)", value=cap)
+    yield CounterMetricFamily("ckptfs_cache_evictions", "Clean files evicted from the cache since the gateway started",
+                              value=space.get("evictions_total", 0))
+    yield CounterMetricFamily("ckptfs_cache_evicted_bytes", "Bytes of clean files evicted since the gateway started",
+                              value=space.get("evicted_bytes_total", 0))
+    yield CounterMetricFamily("ckptfs_backpressure_wait_seconds",
+                              "Seconds writers waited for cache space (summed over writers)",
+                              value=space.get("wait_seconds_total", 0.0))
+    yield GaugeMetricFamily("ckptfs_backpressure_waiting_writers", "Writes waiting for cache space now",
+                            value=space.get("waiting_writers", 0))
+    yield CounterMetricFamily("ckptfs_backpressure_refused_writes",
+                              "Writes refused with ENOSPC after waiting backpressure_timeout for space",
+                              value=space.get("enospc_total", 0))
 
 
 def add_build_info(registry: CollectorRegistry) -> None:

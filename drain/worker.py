@@ -622,8 +622,10 @@ class Drain:
         if inode is None or remote is None:
             return True
         try:
+            # A REMOTE file's cache file (evicted, or partly fetched) is never whole content.
             cached = job.is_symlink or job.special or (
-                os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
+                inode.state != FileState.REMOTE
+                and os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
         except FileNotFoundError:
             cached = False
         if not cached:

@@ -224,11 +224,27 @@ def mark_remote_corrupt(txn: Txn, inode: Inode) -> None:
         mark_error(txn, inode.ino, REMOTE_HASH_MISMATCH)
 
 
-def mark_evicted(txn: Txn, inode: Inode) -> None:
-    """Its cache file was dropped to free space; the bucket still has it."""
-    if inode.state in (FileState.CACHED_CLEAN, FileState.DURABLE) and txn.get_pending(inode.ino) is None:
-        inode.state = FileState.REMOTE
-        txn.put_inode(inode)
+def is_evictable(txn: Txn, inode: Inode) -> bool:
+    """Its content is whole in the bucket and nothing local is waiting to go there: clean
+    (CACHED_CLEAN, or DURABLE), not pending, no upload in flight, a bucket record to fetch
+    it back from. (Open files are the gateway's to exclude: fsmeta does not know them.)"""
+    return (inode.is_reg and inode.nlink > 0
+            and inode.state in (FileState.CACHED_CLEAN, FileState.DURABLE)
+            and txn.get_pending(inode.ino) is None and txn.get_upload(inode.ino) is None
+            and txn.get_remote(inode.ino) is not None)
+
+
+def mark_evicted(txn: Txn, inode: Inode) -> bool:
+    """Its cache file is about to be dropped to free space; the bucket still has it.
+
+    Returns whether the file was evictable: only then may the caller remove the cache file,
+    after this transaction commits (a crash in between leaves a REMOTE file whose cache file
+    is still there: never trusted as complete, removed by the next eviction or fetched over)."""
+    if not is_evictable(txn, inode):
+        return False
+    inode.state = FileState.REMOTE
+    txn.put_inode(inode)
+    return True
 
 
 # -- what the drain writes to the bucket ------------------------------------------------

@@ -17,6 +17,10 @@ database      key                             value
                                               refreshed every second, read by status/wait
               ``b"gateway_status"``           JSON: the gateway's pid, mountpoint and data
                                               path (passthrough|writeback), set at mount
+              ``b"space_status"``             JSON: the gateway's cache-space view (cap,
+                                              watermarks, bytes used and by state,
+                                              evictions, writers waiting for room),
+                                              refreshed every second (gateway/space.py)
 ``inodes``    ino                             packed :class:`ckptfs.fsmeta.records.Inode`
                                               (attributes, generation, durability state,
                                               symlink target)

@@ -38,6 +38,14 @@ CHECKSUMS = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
 DATA_PATHS = ("auto", "passthrough", "writeback")
 
 
+# Cache space defaults (docs/OPERATIONS.md): cap at 90% of the cache device, evict clean
+# files from 90% of the cap down to 80%, writers wait up to 10 minutes for room.
+DEFAULT_CACHE_MAX_SIZE = "90%"
+DEFAULT_HIGH_WATERMARK = 0.9
+DEFAULT_LOW_WATERMARK = 0.8
+DEFAULT_BACKPRESSURE_TIMEOUT = 600.0
+
+
 class ConfigError(ValueError):
     """A setting is wrong; the message starts with the setting's name."""
 
@@ -57,6 +65,41 @@ def parse_size(name: str, value) -> int:
             unit = (m.group(2) or "").upper()[:1]
             return int(float(m.group(1)) * _UNITS[unit])
     raise ConfigError(f"{name}: expected a size such as 64MiB or a byte count, got {value!r}")
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_fraction(name: str, value) -> float:
+    """A fraction in (0, 1]: ``0.9`` or ``"90%"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a fraction such as 0.9 or \"90%\", got {value!r}")
+    fraction = None
+    if isinstance(value, (int, float)):
+        fraction = float(value)
+    elif isinstance(value, str):
+        m = _PERCENT.match(value)
+        if m:
+            fraction = float(m.group(1)) / 100
+        elif re.fullmatch(r"\s*\d*\.?\d+\s*", value):  # from a command-line flag
+            fraction = float(value)
+    if fraction is None or not 0 < fraction <= 1:
+        raise ConfigError(f"{name}: expected a fraction in (0, 1] such as 0.9 or \"90%\", got {value!r}")
+    return fraction
+
+
+def parse_cache_cap(name: str, value, device_bytes: int) -> int:
+    """``[cache] max_size``: bytes (``"500GiB"``, an int) or a percentage of the cache
+    device's size (``"80%"``), resolved against ``device_bytes``."""
+    if isinstance(value, str) and "%" in value:
+        try:
+            return int(parse_fraction(name, value) * device_bytes)
+        except ConfigError:
+            raise ConfigError(f"{name}: a share of the cache device must be in (0%, 100%], got {value!r}") from None
+    size = parse_size(name, value)
+    if size <= 0:
+        raise ConfigError(f"{name}: must be more than 0 bytes, got {value!r}")
+    return size
 
 
 # -- bucket URLs ------------------------------------------------------------------------
@@ -170,6 +213,12 @@ class Settings:
     markers: list = field(default_factory=lambda: list(DEFAULT_MARKERS))
     checksum: str = "auto"  # auto = crc32c (hardware) when available, else crc32
     sign_payload: bool = False  # True: SHA-256 payload signature (for servers that verify no checksum)
+    # cache space (gateway/space.py): the cap, the eviction watermarks (fractions of the cap)
+    # and how long a write waits for room before ENOSPC
+    cache_max_size: str | int = DEFAULT_CACHE_MAX_SIZE
+    cache_high_watermark: float | str = DEFAULT_HIGH_WATERMARK
+    cache_low_watermark: float | str = DEFAULT_LOW_WATERMARK
+    backpressure_timeout: float = DEFAULT_BACKPRESSURE_TIMEOUT
     # read path (gateway/fetch.py): ranged GETs of remote files into the cache
     read_part_size: int = 8 * MIB  # largest ranged GET
     read_max_readahead: int = 256 * MIB  # largest read-ahead window of a sequential reader
@@ -231,7 +280,24 @@ class Settings:
             raise ConfigError(f"drain.markers: must be a list of file-name patterns, got {self.markers!r}")
         if self.checksum not in CHECKSUMS:
             raise ConfigError(f"drain.checksum: must be one of {', '.join(CHECKSUMS)}, got {self.checksum!r}")
+        parse_cache_cap("cache.max_size", self.cache_max_size, 1 << 40)
+        high, low = self.watermarks()
+        if low >= high:
+            raise ConfigError(f"cache.low_watermark: must be below cache.high_watermark ({high:g}), "
+                              f"got {self.cache_low_watermark!r}")
+        timeout = self.backpressure_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise ConfigError(f"cache.backpressure_timeout: must be seconds in (0, 86400], got {timeout!r}")
         return self
+
+    def watermarks(self) -> tuple[float, float]:
+        """(high, low): fractions of the cache cap where eviction starts and where it stops."""
+        return (parse_fraction("cache.high_watermark", self.cache_high_watermark),
+                parse_fraction("cache.low_watermark", self.cache_low_watermark))
+
+    def cache_cap_bytes(self, device_bytes: int) -> int:
+        """The cache cap in bytes on a device of ``device_bytes``."""
+        return parse_cache_cap("cache.max_size", self.cache_max_size, device_bytes)
 
 
 # TOML layout: table -> {toml key: Settings field}
@@ -248,6 +314,10 @@ _TOML_KEYS = {
     },
     "cache": {
         "dir": "cache_dir",
+        "max_size": "cache_max_size",
+        "high_watermark": "cache_high_watermark",
+        "low_watermark": "cache_low_watermark",
+        "backpressure_timeout": "backpressure_timeout",
     },
     "drain": {
         "settle_seconds": "settle_seconds",
@@ -269,6 +339,8 @@ _TYPES = {
     "allow_other": bool, "data_path": str, "remote_ttl": (int, float), "cache_dir": str,
     "settle_seconds": (int, float), "part_size": (str, int),
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
+    "cache_max_size": (str, int), "cache_high_watermark": (int, float, str), "cache_low_watermark": (int, float, str),
+    "backpressure_timeout": (int, float),
     "read_part_size": (str, int), "read_max_readahead": (str, int), "read_concurrency": int,
 }
 
@@ -317,6 +389,10 @@ def _set(values: dict, name: str, attr: str, value) -> None:
         raise ConfigError(f"{name}: wrong type {type(value).__name__} ({value!r})")
     if attr in ("part_size", "read_part_size", "read_max_readahead"):
         value = parse_size(name, value)
+    elif attr == "cache_max_size":
+        parse_cache_cap(name, value, 1 << 40)  # refused here, by its TOML name
+    elif attr in ("cache_high_watermark", "cache_low_watermark"):
+        parse_fraction(name, value)
     values[attr] = value
 
 

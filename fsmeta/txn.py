@@ -67,6 +67,13 @@ class Txn:
     def put_gateway_status(self, status: dict) -> None:
         self._put("meta", b"gateway_status", json.dumps(status).encode())
 
+    def get_space_status(self) -> dict | None:
+        raw = self._get("meta", b"space_status")
+        return json.loads(bytes(raw)) if raw is not None else None
+
+    def put_space_status(self, status: dict) -> None:
+        self._put("meta", b"space_status", json.dumps(status).encode())
+
     def alloc_ino(self) -> int:
         ino = schema.unpack_u64(self._get("meta", b"next_ino"))
         self._put("meta", b"next_ino", schema.pack_u64(ino + 1))

@@ -40,7 +40,8 @@ from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
 from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F401
-from .state import CoreState, need_dir, need_inode
+from .space import CacheSpace, SpaceLimits
+from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
 from .xattrs import (  # noqa: F401
     BLAKE3_XATTR,
     PREFETCH_XATTR,
@@ -148,6 +149,16 @@ class FsCore:
             assert not self._state.open_files, "switching the data path with files open"
             self._state.backing = None
 
+    def enable_space(self, limits: SpaceLimits, *, markers=()) -> CacheSpace:
+        """Cap the cache (gateway/space.py): the caller runs ``space.tick()`` periodically."""
+        self._state.space = CacheSpace(self._state, limits, markers=markers)
+        self._state.space.scan()
+        return self._state.space
+
+    @property
+    def space(self) -> CacheSpace | None:
+        return self._state.space
+
     def backing_id(self, fh: int) -> int:
         """The backing id for an open/create reply (0: none, the daemon serves the data)."""
         return self._files.backing_id(fh)
@@ -244,8 +255,7 @@ class FsCore:
         if req.size is not None and of is not None:
             # Persist in-memory attributes first so the truncate below is the latest state.
             self._files.persist(of)
-        if req.size is not None:
-            self._keep_remote_prefix(ino, req.size)
+        prefix_fetched = False
 
         def apply(txn: Txn) -> Inode:
             inode = need_inode(txn, ino)
@@ -254,6 +264,8 @@ class FsCore:
                     raise FsError(errno.EISDIR)
                 if not inode.is_reg:
                     raise FsError(errno.EINVAL)
+                if inode.state == FileState.REMOTE and req.size != 0 and not prefix_fetched:
+                    raise EvictedMeanwhile  # evicted since it was looked at: fetch what stays
                 inode.size = req.size
                 inode.mtime_ns = now
                 durability.mark_dirty(txn, inode, now)
@@ -279,19 +291,25 @@ class FsCore:
         if req.size is not None:
             # Truncate under the inode's I/O lock so a concurrent write cannot land between.
             lock = of.io_lock if of is not None else threading.Lock()
-            with lock:
-                inode = self.meta.write(apply)
-                self._state.publish_before_bytes_change(ino)
-                self._files.truncate_data(ino, req.size)
-                with self._state.lock:
-                    of = self._open.get(ino)
-                    if of is not None:
-                        of.size = req.size
-                        of.mtime_ns = inode.mtime_ns
-                        of.ctime_ns = inode.ctime_ns
-                        of.needs_bump = True
-                        if self._state.backing is not None:
-                            datapath.align(of, inode.atime_ns, inode.mtime_ns)
+            while True:
+                prefix_fetched = self._keep_remote_prefix(ino, req.size)
+                with lock:
+                    try:
+                        inode = self.meta.write(apply)
+                    except EvictedMeanwhile:
+                        continue
+                    self._state.publish_before_bytes_change(ino)
+                    self._files.truncate_data(ino, req.size)
+                    with self._state.lock:
+                        of = self._open.get(ino)
+                        if of is not None:
+                            of.size = req.size
+                            of.mtime_ns = inode.mtime_ns
+                            of.ctime_ns = inode.ctime_ns
+                            of.needs_bump = True
+                            if self._state.backing is not None:
+                                datapath.align(of, inode.atime_ns, inode.mtime_ns)
+                break
         else:
             inode = self.meta.write(apply)
             with self._state.lock:
@@ -305,18 +323,18 @@ class FsCore:
         with self._state.lock:
             return self._attr(inode)
 
-    def _keep_remote_prefix(self, ino: int, size: int) -> None:
+    def _keep_remote_prefix(self, ino: int, size: int) -> bool:
         """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, then
-        hand its cache file to the ordinary write path."""
+        hand its cache file to the ordinary write path. False: the file was not REMOTE."""
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
         if inode.state != FileState.REMOTE:
-            return
+            return False
         fetcher = self._state.fetcher
         if fetcher is None:
             if size:
                 raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
-            return
+            return True
         if size:
             rf = fetcher.acquire(inode)
             try:
@@ -324,6 +342,7 @@ class FsCore:
             finally:
                 fetcher.release(rf)
         fetcher.detach(ino)
+        return True
 
     def fetch(self, ino: int) -> int:
         """Have the whole content of a REMOTE file in the cache, checked and cached-clean
@@ -384,22 +403,28 @@ class FsCore:
     # -- open files ----------------------------------------------------------------------
 
     def open(self, ino: int, flags: int) -> int:
-        with self.meta.read() as txn:
-            inode = need_inode(txn, ino)
-        if inode.is_dir:
-            raise FsError(errno.EISDIR)
-        if not inode.is_reg:
-            raise FsError(errno.EINVAL)
-        if inode.state == FileState.REMOTE and (flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY):
-            # Written locally from now on: O_TRUNC needs none of the old content, any other
-            # open for writing gets all of it first (an ordinary local file after that).
-            if flags & os.O_TRUNC:
-                self.setattr(ino, SetattrRequest(size=0))
-            else:
-                self.fetch(ino)
+        while True:
+            seen_eviction = self._state.eviction_seq
             with self.meta.read() as txn:
                 inode = need_inode(txn, ino)
-        fh = self._files.open_handle(inode, flags)
+            if inode.is_dir:
+                raise FsError(errno.EISDIR)
+            if not inode.is_reg:
+                raise FsError(errno.EINVAL)
+            if inode.state == FileState.REMOTE and (flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY):
+                # Written locally from now on: O_TRUNC needs none of the old content, any other
+                # open for writing gets all of it first (an ordinary local file after that).
+                # Then read the inode again: the evictor may have taken it back meanwhile.
+                if flags & os.O_TRUNC:
+                    self.setattr(ino, SetattrRequest(size=0))
+                else:
+                    self.fetch(ino)
+                continue
+            try:
+                fh = self._files.open_handle(inode, flags, seen_eviction=seen_eviction)
+            except EvictedMeanwhile:
+                continue
+            break
         # libfuse negotiates atomic_o_trunc: O_TRUNC arrives here instead of as a setattr,
         # and the kernel has already set its size to 0. Linux truncates with O_RDONLY too
         # (the kernel checked write permission), so must we, or old bytes come back.

@@ -160,20 +160,38 @@ class Fetcher:
                 rf.users += 1
                 self._files.move_to_end(inode.ino)
                 return rf
+        s = self._state
         fresh = self._open_remote(inode)
+        while True:
+            # The evictor removes the cache files of REMOTE inodes the fetcher does not hold
+            # (``holds``): one it unlinked under our descriptor would be marked cached-clean
+            # with no cache file. Register only with no eviction since the cache file was opened.
+            with s.lock:
+                s.wait_not_evicting(inode.ino)
+                seen_eviction = s.eviction_seq
+            fresh.fd = s.open_cache_file(inode.ino)
+            with s.lock, self._lock:
+                if inode.ino in s.evicting or s.eviction_seq != seen_eviction:
+                    os.close(fresh.fd)
+                    continue
+                rf = self._files.get(inode.ino)
+                if rf is None:
+                    rf = fresh
+                    # What a dropped or crashed fetch left there is not known to be anything.
+                    os.ftruncate(rf.fd, 0)
+                    os.ftruncate(rf.fd, rf.size)
+                    self._files[inode.ino] = rf
+                    self._bound_idle()
+                else:
+                    os.close(fresh.fd)
+                rf.users += 1
+            return rf
+
+    def holds(self, ino: int) -> bool:
+        """The fetcher has the inode's cache file open (being fetched, or idle and partly
+        fetched): the evictor must leave it alone. Call with the state lock held."""
         with self._lock:
-            rf = self._files.get(inode.ino)
-            if rf is None:
-                rf = fresh
-                # What a dropped or crashed fetch left there is not known to be anything.
-                os.ftruncate(rf.fd, 0)
-                os.ftruncate(rf.fd, rf.size)
-                self._files[inode.ino] = rf
-                self._bound_idle()
-            else:
-                os.close(fresh.fd)
-            rf.users += 1
-        return rf
+            return ino in self._files
 
     def _open_remote(self, inode: Inode) -> RemoteFile:
         with self._state.meta.read() as txn:
@@ -192,8 +210,8 @@ class Fetcher:
                 raise FsError(errno.ESTALE, f"{record.key}: the object changed since it was listed")
             etag = info.etag
             blake3 = blake3 or info.metadata.get("blake3", "")
-        fd = self._state.open_cache_file(inode.ino)
-        return RemoteFile(inode.ino, inode.generation, record.key, inode.size, etag, record.etag, blake3, fd)
+        # The cache file is opened by ``acquire`` (it must see no eviction meanwhile).
+        return RemoteFile(inode.ino, inode.generation, record.key, inode.size, etag, record.etag, blake3, -1)
 
     def release(self, rf: RemoteFile) -> None:
         with self._lock:
@@ -460,6 +478,8 @@ class Fetcher:
         os.fdatasync(rf.fd)  # CACHED_CLEAN trusts the cache file, so it must be on the device
         self._state.sync_cache_names(rf.ino)
         self._commit(rf, durability.mark_cached_clean)
+        if self._state.space is not None:
+            self._state.space.touch(rf.ino)  # just fetched: the last the evictor should take
         with self._lock:
             if self._files.get(rf.ino) is rf:
                 self._drop(rf, empty=False)

@@ -22,7 +22,7 @@ from . import datapath
 from .errors import FsError
 from .fetch import ReadAhead, RemoteFile
 from .lookups import LookupCounts
-from .state import CoreState, need_inode
+from .state import CoreState, EvictedMeanwhile, need_inode
 from .writeback import WriteBehind
 
 
@@ -45,6 +45,9 @@ class OpenFile:
     backing_id: int = 0  # shared by every handle of the inode
     cache_stat: tuple | None = None  # the cache file's stat_id when last taken into size/mtime
     opened_for_write: bool = False
+    # The first write refused for want of cache space (gateway/space.py): the file is cut
+    # there at the next persist, so it never holds a hole, and later writes fail too.
+    space_failed_at: int | None = None
     # read path (gateway/fetch.py): opened while REMOTE, so the gateway serves its reads and
     # fills the cache file on demand (no backing id, whatever the data path)
     remote: RemoteFile | None = None
@@ -65,12 +68,19 @@ class OpenFiles:
         self._state = state
         self._lookups = lookups
 
-    def open_handle(self, inode: Inode, flags: int) -> int:
+    def open_handle(self, inode: Inode, flags: int, *, seen_eviction: int | None = None) -> int:
+        """A handle on ``inode``. ``seen_eviction``: ``CoreState.eviction_seq`` before the
+        caller read ``inode``; if an eviction ran since, :class:`EvictedMeanwhile` asks the
+        caller to read it again (its cache file may be gone)."""
         s = self._state
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
         if s.backing is not None:
             self._check_watched(inode)
+        # Passthrough writes never reach the gateway: under space pressure a file opened for
+        # writing now is served by the gateway, so that its writes can wait for room.
+        served_by_gateway = (writable and s.backing is not None and s.space is not None
+                             and inode.ino not in s.open_files and s.space.under_pressure())
         remote = None
         if inode.state == FileState.REMOTE:
             if s.fetcher is None:
@@ -78,6 +88,11 @@ class OpenFiles:
             remote = s.fetcher.acquire(inode)
         with s.lock:
             of = s.open_files.get(inode.ino)
+            if of is None and (s.wait_not_evicting(inode.ino) or (seen_eviction is not None
+                                                                  and seen_eviction != s.eviction_seq)):
+                if remote is not None:
+                    s.fetcher.release(remote)
+                raise EvictedMeanwhile
             if of is None or (remote is not None and of.remote is None):
                 if of is not None:  # open natively: a mode cannot change while a handle is open
                     s.fetcher.release(remote)
@@ -88,7 +103,7 @@ class OpenFiles:
                 remote = None  # the open file holds it now
                 if s.backing is not None and of.remote is None:
                     try:
-                        self._adopt(of, inode)
+                        self._adopt(of, inode, attach=not served_by_gateway)
                     except BaseException:
                         del s.open_files[inode.ino]
                         os.close(fd)
@@ -102,6 +117,8 @@ class OpenFiles:
                                    readahead=ReadAhead() if of.remote is not None else None)
         if remote is not None:  # the open file already holds the inode's fetch state
             s.fetcher.release(remote)
+        if s.space is not None:
+            s.space.touch(inode.ino)
         if writable:
             try:
                 s.meta.write(lambda txn: txn.add_writer(inode.ino, 1))
@@ -112,7 +129,7 @@ class OpenFiles:
                 raise
         return fh
 
-    def _adopt(self, of: OpenFile, inode: Inode) -> None:
+    def _adopt(self, of: OpenFile, inode: Inode, *, attach: bool = True) -> None:
         """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can
         leave it longer or shorter: bytes past the size were never acknowledged, a missing
         tail reads as zeros) and times (the kernel shows the cache file's after each read or
@@ -124,7 +141,8 @@ class OpenFiles:
             datapath.align(of, inode.atime_ns, inode.mtime_ns)
         else:
             of.cache_stat = datapath.stat_id(st)
-        self._state.backing.attach(of)
+        if attach:
+            self._state.backing.attach(of)
 
     def _check_watched(self, inode: Inode) -> None:
         """Passthrough: a file released after writing may have changed since (a shared mapping)."""
@@ -200,7 +218,10 @@ class OpenFiles:
         if not h.writable:
             raise FsError(errno.EBADF)
         of = h.open_file
+        self._admit(of, offset, len(data))
         with of.io_lock:
+            if of.space_failed_at is not None:
+                raise FsError(errno.ENOSPC)
             if of.needs_bump:
                 self._bump(of)
             written = os.pwrite(of.fd, data, offset)
@@ -218,10 +239,42 @@ class OpenFiles:
             of.write_behind.run(of.fd, due)
         return written
 
+    def _admit(self, of: OpenFile, offset: int, length: int) -> None:
+        """Wait for cache space for the bytes a write adds (gateway/space.py). After the
+        backpressure timeout: ENOSPC, and the file keeps only what precedes this write."""
+        space = self._state.space
+        with self._state.lock:
+            if of.space_failed_at is not None:
+                raise FsError(errno.ENOSPC)
+            size = of.size
+        if space is None or offset + length <= size:
+            return  # an overwrite takes no new space (a hole filled is counted at the next scan)
+        try:
+            space.admit(offset + length - size)
+        except FsError:
+            with of.io_lock, self._state.lock:
+                if of.space_failed_at is None:
+                    of.space_failed_at = min(offset, of.size)
+            raise
+
+    def _cut_at_failure(self, of: OpenFile) -> None:
+        """After a write refused for space: drop what landed past it (never acknowledged: the
+        handle's flush and fsync fail), so the file is a whole prefix, never one with a hole.
+        Call with ``of.io_lock`` held."""
+        with self._state.lock:
+            cut = of.space_failed_at
+            if cut is None or of.size <= cut:
+                return
+        os.ftruncate(of.fd, cut)
+        with self._state.lock:
+            of.size = cut
+            of.attrs_dirty = True
+
     def persist(self, of: OpenFile) -> None:
         """Write an open file's in-memory size/mtime to fsmeta."""
         s = self._state
         with of.io_lock:
+            self._cut_at_failure(of)
             with s.lock:
                 # Passthrough: writes went straight to the cache file, unseen.
                 moved = s.backing is not None and of.remote is None and datapath.refresh(of)
@@ -270,6 +323,8 @@ class OpenFiles:
         s = self._state
         with s.lock:
             of = s.open_files.get(ino)
+            if of is None:
+                s.wait_not_evicting(ino)  # its new content must not be unlinked under it
         if of is not None:
             os.ftruncate(of.fd, size)
         else:
@@ -283,8 +338,16 @@ class OpenFiles:
         h = self.handle(fh)
         if h.open_file is not None and h.writable:
             self.persist(h.open_file)
+            self._raise_space_failure(h.open_file)
         if h.open_file is not None and h.open_file.remote is not None:
             self._state.fetcher.check(h.open_file.remote)  # close reports a failed blake3 check
+
+    @staticmethod
+    def _raise_space_failure(of: OpenFile) -> None:
+        """A write of this file was refused for space: close and fsync say so too (with the
+        kernel's writeback cache the write(2) itself may have returned long before)."""
+        if of.space_failed_at is not None:
+            raise FsError(errno.ENOSPC, "a write was refused: no cache space")
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self.handle(fh)
@@ -295,6 +358,7 @@ class OpenFiles:
         self._state.sync_cache_names(of.ino)
         self.persist(of)
         self._state.meta.sync()
+        self._raise_space_failure(of)
 
     def release(self, fh: int) -> None:
         """Drop the handle. Whatever fails on the way, the writer count in fsmeta and the
@@ -328,6 +392,8 @@ class OpenFiles:
                     with contextlib.suppress(FsError):  # reported to the reader already
                         s.fetcher.wait_checked(of.remote, commit=True)
                     s.fetcher.release(of.remote)
+                if s.space is not None:
+                    s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
                 os.close(of.fd)
                 self._lookups.maybe_purge(of.ino)
                 s.bound_unsynced_names()

@@ -164,9 +164,16 @@ class CkptOperations(pyfuse3.Operations):
 
     def _file_info(self, fh: int) -> pyfuse3.FileInfo:
         # Passthrough: the kernel reads and writes the cache file itself (no keep_cache then).
-        bid = self.core.backing_id(fh) if self.core.passthrough else 0
-        if bid:
-            return pyfuse3.FileInfo(fh=fh, backing_id=bid)
+        # Opens the gateway serves in a passthrough mount (REMOTE files being fetched, writers
+        # under cache pressure) fill the FUSE inode's page cache, which passthrough writes to the
+        # cache file never update: keeping it across opens could serve stale pages.
+        if self.core.passthrough:
+            bid = self.core.backing_id(fh)
+            if bid:
+                return pyfuse3.FileInfo(fh=fh, backing_id=bid)
+            # Served by the gateway (under cache-space pressure, gateway/space.py): pages the
+            # kernel cached at an earlier such open may be stale after passthrough writes since.
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def open(self, inode, flags, ctx):

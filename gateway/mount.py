@@ -27,7 +27,7 @@ from ckptfs.fsmeta import locks
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 
-from . import datapath, metrics, passthrough
+from . import datapath, metrics, passthrough, space
 from .bucket import BucketClient
 from .core import FsCore
 from .fetch import ReadSettings
@@ -244,6 +244,10 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     # Namespace operations join a batch committed every few milliseconds instead of one
     # synced commit each; fsync/fsyncdir commit and sync at once (docs/DESIGN.md).
     meta.defer_commits(COMMIT_INTERVAL_SECONDS)
+    limits = space.SpaceLimits.from_settings(settings, settings.cache_dir)
+    core.enable_space(limits, markers=settings.markers)
+    log.info("cache cap %d bytes (evict from %d down to %d; writers wait up to %gs for room)",
+             limits.cap, limits.high, limits.low, limits.timeout)
     supervisor = DrainSupervisor(settings)
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
     if data_path == "passthrough":
@@ -301,6 +305,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             nursery.start_soon(on_signal)
             nursery.start_soon(supervisor.watch)
             nursery.start_soon(sweep_mapped)
+            nursery.start_soon(manage_space)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 
@@ -316,6 +321,19 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
                     continue
                 if n:
                     log.info("%d closed file(s) changed through a shared mapping: new generation", n)
+
+    async def manage_space() -> None:
+        # The cache cap: measure, evict clean files, wake writers waiting for room, publish.
+        published = 0.0
+        while True:
+            await trio.sleep(space.TICK_SECONDS)
+            try:
+                await trio.to_thread.run_sync(core.space.tick)
+                if time.monotonic() - published >= space.PUBLISH_SECONDS:
+                    await trio.to_thread.run_sync(core.space.publish)
+                    published = time.monotonic()
+            except Exception:
+                log.exception("cache space task failed")
 
     status = 0
     try:

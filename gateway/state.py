@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .datapath import Backing
     from .fetch import Fetcher
     from .files import Handle, OpenFile
+    from .space import CacheSpace
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
 # past this many, closing a file syncs data/ once for all of them.
@@ -45,6 +46,23 @@ class CoreState:
     backing: Backing | None = None  # passthrough mode (gateway/datapath.py); None: writeback
     bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
     fetcher: Fetcher | None = None  # fetches REMOTE files into the cache (gateway/fetch.py); needs bucket
+    space: CacheSpace | None = None  # the cache cap, eviction, backpressure (gateway/space.py)
+    # Inodes whose cache file the evictor is removing: their first open (and a truncate
+    # without a handle) waits on ``evicting_done``, then reads the inode again.
+    evicting: set[int] = field(default_factory=set)
+    eviction_seq: int = 0  # moves at every eviction batch (under ``lock``)
+
+    def __post_init__(self) -> None:
+        self.evicting_done = threading.Condition(self.lock)
+
+    def wait_not_evicting(self, ino: int) -> bool:
+        """Block while the evictor removes ``ino``'s cache file; True if it had to wait.
+        Call with ``lock`` held."""
+        waited = False
+        while ino in self.evicting:
+            waited = True
+            self.evicting_done.wait()
+        return waited
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
@@ -124,6 +142,10 @@ class CoreState:
         """The kernel still references the inode, or a handle keeps it open."""
         with self.lock:
             return bool(self.lookups.get(ino)) or ino in self.open_files
+
+
+class EvictedMeanwhile(Exception):
+    """The inode was (maybe) evicted between reading it and opening it: read it again."""
 
 
 def need_inode(txn: Txn, ino: int) -> Inode:

@@ -110,7 +110,7 @@ class Mount:
 
     def __init__(self, s3, bucket: str, prefix: str, base: Path, *, endpoint: str | None = None,
                  drain: dict | None = None, fsync: str | None = None, cache_dir: Path | None = None,
-                 name: str = "m", env: dict | None = None):
+                 name: str = "m", env: dict | None = None, cache: dict | None = None):
         self.s3 = s3
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -119,7 +119,7 @@ class Mount:
         self.mnt = self.base / f"{name}-mnt"
         self.cache = cache_dir or self.base / f"{name}-cache"
         self.log_path = self.base / f"{name}-gateway.log"
-        self.config = toml_config(self.base / f"{name}.toml", drain or {})
+        self.config = toml_config(self.base / f"{name}.toml", drain or {}, cache)
         self.fsync = fsync
         self.env = env or s3_env(s3)
         self.proc: subprocess.Popen | None = None

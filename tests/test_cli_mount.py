@@ -142,12 +142,18 @@ def test_mountpoint_not_empty_or_not_a_directory(dirs):
     ("[cache]\nmax_sz = \"10GiB\"\n", ["cache.max_sz", "unknown setting"]),
     ("[mount]\nfsync = \"sometimes\"\n", ["fsync", "sometimes"]),
     ("[drain]\nconcurrency = \"eight\"\n", ["drain.concurrency"]),
+    ("[cache]\nmax_size = \"150%\"\n", ["cache.max_size", "150%"]),
 ])
 def test_invalid_config_file_names_the_setting(dirs, content, words):
     cfg = dirs / "ckptfs.toml"
     cfg.write_text(content)
     line = refused(mount_cmd(dirs, "--config", str(cfg)))
     assert all(w in line for w in words), line
+
+
+def test_bad_cache_cap_flag_names_the_setting(dirs):
+    line = refused(mount_cmd(dirs, "--cache-max-size", "huge"))
+    assert line.startswith("ckptfs: cache.max_size: ") and "huge" in line
 
 
 def test_missing_and_unreadable_config_file(dirs):

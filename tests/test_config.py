@@ -103,6 +103,13 @@ def test_bad_bucket_urls_name_the_setting(url):
     ('[cache]\nmax_size = "a lot"', "cache.max_size"),
     ('[cache]\nhigh_watermark = 2.0', "cache.high_watermark"),
     ('[cache]\nbackpressure_timeout = 0', "cache.backpressure_timeout"),
+    ('[cache]\nbackpressure_timeout = "1m"', "cache.backpressure_timeout"),
+    ('[cache]\nmax_size = 0', "cache.max_size"),
+    ('[cache]\nmax_size = "0%"', "cache.max_size"),
+    ('[cache]\nmax_size = true', "cache.max_size"),
+    ('[cache]\nhigh_watermark = "95 percent"', "cache.high_watermark"),
+    ('[cache]\nlow_watermark = 0', "cache.low_watermark"),
+    ('[cache]\nlow_watermark = "90%"\nhigh_watermark = "80%"', "cache.low_watermark"),
     ('[cache]\nsize = 1', "cache.size"),
     ('[mount]\nfsync = "always"', "fsync"),
     ('[mount]\nallow_other = "yes"', "mount.allow_other"),
@@ -175,3 +182,26 @@ def test_remote_ttl_setting(tmp_path):
     path = write(tmp_path, 'bucket_url = "s3://abc"\n[mount]\nremote_ttl = 0.5\n')
     assert build_settings(path, {}).remote_ttl == 0.5
     assert build_settings(None, {"bucket_url": "s3://abc"}).remote_ttl == 3.0  # a few seconds by default
+
+
+def test_cache_space_settings_defaults_and_forms(tmp_path):
+    s = build_settings(None, {"bucket_url": "s3://abc"})
+    assert s.watermarks() == (0.9, 0.8) and s.backpressure_timeout == 600
+    assert s.cache_cap_bytes(1000) == 900  # default cap: 90% of the cache device
+    path = write(tmp_path, 'bucket_url = "s3://abc"\n[cache]\nmax_size = "500GiB"\nhigh_watermark = "95%"\n'
+                           'low_watermark = 0.5\nbackpressure_timeout = 30\n')
+    s = build_settings(path, {})
+    assert s.cache_cap_bytes(1 << 50) == 500 << 30 and s.watermarks() == (0.95, 0.5)
+    assert s.backpressure_timeout == 30
+    s = build_settings(path, {"cache_max_size": "80%", "cache_high_watermark": "0.7", "backpressure_timeout": 2.5})
+    assert s.cache_cap_bytes(1000) == 800 and s.watermarks() == (0.7, 0.5) and s.backpressure_timeout == 2.5
+    assert build_settings(None, {"bucket_url": "s3://abc", "cache_max_size": 12345}).cache_cap_bytes(1) == 12345
+
+
+def test_cache_space_flags_are_refused_by_name():
+    with pytest.raises(ConfigError, match="^cache.max_size: "):
+        build_settings(None, {"bucket_url": "s3://abc", "cache_max_size": "lots"})
+    with pytest.raises(ConfigError, match="^cache.low_watermark: "):
+        build_settings(None, {"bucket_url": "s3://abc", "cache_low_watermark": "0.95"})
+    with pytest.raises(ConfigError, match="^cache.backpressure_timeout: "):
+        build_settings(None, {"bucket_url": "s3://abc", "backpressure_timeout": -1.0})

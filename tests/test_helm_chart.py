@@ -62,7 +62,7 @@ METRIC_CONTRACT = {
 CKPTFS_TOML_KEYS = {
     "": {"bucket_url", "endpoint_url", "region"},
     "mount": {"fsync", "metrics_addr", "allow_other", "endpoint_url", "region"},
-    "cache": {"dir", "max_size", "high_watermark", "backpressure_timeout"},
+    "cache": {"dir", "max_size", "high_watermark", "low_watermark", "backpressure_timeout"},
     "drain": {"settle_seconds", "part_size", "concurrency", "markers", "checksum", "sign_payload"},
 }
 LIFECYCLE_KEYS = {
@@ -360,7 +360,8 @@ def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
     docs = render(helm, tmp_path, {
         "s3": {"endpointUrl": "http://rgw:7480", "region": "eu-west-1"},
         "mount": {"fsync": "remote", "allowOther": False},
-        "cache": {"hostPath": "/nvme0/ckptfs"},
+        "cache": {"hostPath": "/nvme0/ckptfs", "maxSize": "1500GiB", "highWatermark": 0.85, "lowWatermark": 0.7,
+                  "backpressureTimeoutSeconds": 120},
         "drain": {"settleSeconds": 2.5, "partSize": "128MiB", "concurrency": 16, "checksum": "crc64nvme",
                   "signPayload": True, "markers": ['.metadata', 'say "done"', "latest*"]},
         "lifecycle": {"rules": LIFECYCLE_RULES},
@@ -376,7 +377,8 @@ def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
     assert conf["endpoint_url"] == "http://rgw:7480"
     assert conf["region"] == "eu-west-1"
     assert conf["mount"] == {"fsync": "remote", "allow_other": False}
-    assert conf["cache"] == {"dir": "/nvme0/ckptfs"}
+    assert conf["cache"] == {"dir": "/nvme0/ckptfs", "max_size": "1500GiB", "high_watermark": 0.85,
+                             "low_watermark": 0.7, "backpressure_timeout": 120.0}
     assert conf["drain"] == {"settle_seconds": 2.5, "part_size": "128MiB", "concurrency": 16,
                              "markers": [".metadata", 'say "done"', "latest*"], "checksum": "crc64nvme",
                              "sign_payload": True}
@@ -388,6 +390,8 @@ def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
     path.write_text(docs_toml_text(docs))
     settings = build_settings(str(path), {})
     assert (settings.fsync, settings.part_size, settings.checksum) == ("remote", 128 << 20, "crc64nvme")
+    assert settings.cache_cap_bytes(1 << 50) == 1500 << 30 and settings.watermarks() == (0.85, 0.7)
+    assert settings.backpressure_timeout == 120
     assert rules_from_table(settings.lifecycle).keep_latest == LIFECYCLE_RULES["keep_latest"]
 
     # the gateway reads the file the ConfigMap provides, with the same cache dir

@@ -25,6 +25,10 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         "metrics_addr": args.metrics_addr,
         "allow_other": args.allow_other,
         "data_path": args.data_path,
+        "cache_max_size": args.cache_max_size,
+        "cache_high_watermark": args.cache_high_watermark,
+        "cache_low_watermark": args.cache_low_watermark,
+        "backpressure_timeout": args.backpressure_timeout,
     }
     try:
         settings = build_settings(args.config, overrides)
@@ -70,6 +74,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bucket_url", help="s3://bucket[/prefix] or file:///abs/dir")
     p.add_argument("mountpoint")
     p.add_argument("--cache-dir", help="cache directory on local NVMe (default /var/cache/ckptfs)")
+    p.add_argument("--cache-max-size", metavar="SIZE",
+                   help='cap on the cache files: bytes ("500GiB") or a share of the cache device ("80%%"); '
+                        'default 90%%')
+    p.add_argument("--cache-high-watermark", metavar="FRACTION",
+                   help="evict clean files above this share of the cap (0.9 or 90%%; default 0.9)")
+    p.add_argument("--cache-low-watermark", metavar="FRACTION",
+                   help="...down to this share of the cap (default 0.8)")
+    p.add_argument("--backpressure-timeout", type=float, metavar="S",
+                   help="seconds a write waits for cache space before ENOSPC (default 600)")
     p.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:7480")
     p.add_argument("--config", help="TOML settings file")
     p.add_argument("--foreground", "-f", action="store_true", help="stay attached; log to stderr")

@@ -128,10 +128,23 @@ def _age(now_ns: int, since_ns: int | None) -> float | None:
     return None if since_ns is None else max(0.0, (now_ns - since_ns) / 1e9)
 
 
-def _cache_usage(cache: CacheDir, dirty_bytes: int) -> dict:
+def _cache_usage(cache: CacheDir, dirty_bytes: int, space: dict) -> dict:
+    """Cache use; with a live gateway also its cap and evictions (``meta/space_status``)."""
     fs = os.statvfs(cache.root)
     return {"used_bytes": cache.used_bytes(), "dirty_bytes": dirty_bytes,
-            "device_bytes": fs.f_blocks * fs.f_frsize, "device_free_bytes": fs.f_bavail * fs.f_frsize}
+            "device_bytes": fs.f_blocks * fs.f_frsize, "device_free_bytes": fs.f_bavail * fs.f_frsize,
+            "max_bytes": space.get("cap_bytes"), "high_watermark_bytes": space.get("high_bytes"),
+            "low_watermark_bytes": space.get("low_bytes"),
+            "evictions": space.get("evictions_total", 0), "evicted_bytes": space.get("evicted_bytes_total", 0)}
+
+
+def _backpressure(space: dict) -> dict:
+    """Writers waiting for cache space (live gateway only)."""
+    return {"waiting_writers": space.get("waiting_writers", 0),
+            "longest_wait_seconds": space.get("longest_wait_seconds", 0.0),
+            "wait_seconds_total": space.get("wait_seconds_total", 0.0),
+            "refused_writes": space.get("enospc_total", 0),
+            "timeout_seconds": space.get("backpressure_timeout")}
 
 
 def _checkpoint_rules(settings: dict) -> LifecycleRules:
@@ -186,12 +199,15 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
             whole = durability.pending_under(txn, "") if rel else backlog
             drain = txn.get_drain_status() or {}
             gateway = txn.get_gateway_status() or {}
+            space = txn.get_space_status() or {}
             settings = txn.get_settings() or {}
             files = durability.file_states(txn) if by_checkpoint else []
     finally:
         meta.close()
     now = time.time_ns()
     gateway_pid = cache.gateway_pid()
+    if not gateway_pid:
+        space = {}  # a stopped gateway's last figures are not live
     report = {
         "bucket_url": settings.get("bucket_url"),
         "cache_dir": cache.root,
@@ -207,7 +223,8 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "retrying": drain.get("retrying", {}),
         "uploaded_bytes": drain.get("uploaded_bytes", 0),
         "uploaded_files": drain.get("uploaded_files", 0),
-        "cache": _cache_usage(cache, whole.bytes),
+        "cache": _cache_usage(cache, whole.bytes, space),
+        "backpressure": _backpressure(space),
     }
     if by_checkpoint:
         prefix = rel + "/" if rel else ""
@@ -249,6 +266,17 @@ def render(report: dict, width: int = 80):
     summary.add_row("cache use", f"{human_bytes(cache['used_bytes'])} in cache files "
                                  f"({human_bytes(cache['dirty_bytes'])} not in the bucket yet); device "
                                  f"{human_bytes(cache['device_free_bytes'])} free of {human_bytes(cache['device_bytes'])}")
+    if cache.get("max_bytes"):
+        summary.add_row("cache cap", f"{human_bytes(cache['max_bytes'])}; clean files evicted above "
+                                     f"{human_bytes(cache['high_watermark_bytes'])} down to "
+                                     f"{human_bytes(cache['low_watermark_bytes'])}; {cache['evictions']} evicted "
+                                     f"({human_bytes(cache['evicted_bytes'])}) since the gateway started")
+    pressure = report["backpressure"]
+    if pressure["waiting_writers"] or pressure["refused_writes"] or pressure["wait_seconds_total"]:
+        summary.add_row("backpressure", f"{pressure['waiting_writers']} writer(s) waiting for cache space now "
+                                        f"(longest {_seconds(pressure['longest_wait_seconds'])}); "
+                                        f"{_seconds(pressure['wait_seconds_total'])} waited in all, "
+                                        f"{pressure['refused_writes']} write(s) refused (ENOSPC)")
     for what, msg in report["retrying"].items():
         summary.add_row("retrying", f"{what}: {msg}")
     for path, err in report["errors"].items():
