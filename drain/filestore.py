@@ -487,6 +487,7 @@ class FileStore(ObjectStore):
         *,
         storage_class: str | None = None,
         content_type: str | None = None,
+        digest=None,  # no header to precompute: the copy hashes itself
     ) -> PutResult:
         meta = validate_metadata(metadata)
         final = self._key_path(key)
@@ -577,7 +578,7 @@ class FileStore(ObjectStore):
 
         return await self._run(create, op="CreateMultipartUpload", key=key)
 
-    async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
+    async def upload_part(self, key, upload_id, part_number, path, offset, length, *, digest=None) -> PartRecord:
         if not 1 <= part_number <= self.limits.max_parts:
             raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         src = os.fspath(path)

@@ -29,10 +29,12 @@ from collections.abc import Sequence
 
 __all__ = [
     "Checksummer",
+    "PartDigest",
     "resolve_checksum_mode",
     "checksum_factory",
     "crc32c_available",
     "read_range",
+    "read_bytes",
     "BufferPool",
     "pwritev_all",
     "SourceChangedError",
@@ -128,6 +130,40 @@ class Checksummer:
 
     def b64(self) -> str:
         return base64.b64encode(self.digest()).decode("ascii")
+
+
+class PartDigest:
+    """What an UploadPart request must carry in its headers, computed before its body
+    streams: the part checksum (base64) and, for signed payloads, the SHA-256 hex.
+
+    Fed by the uploader's one hashing pass over the file (the same chunks that feed the
+    whole-file BLAKE3), then :meth:`finish`-ed; the store streams the body afterwards and
+    checks ``checksum`` on the bytes it sends.  ``header=False``: the checksum is only
+    for that local check (the store sends none)."""
+
+    __slots__ = ("_ck", "_sha", "algorithm", "checksum", "header", "payload_sha256")
+
+    def __init__(self, new_checksum=None, sign: bool = False, *, header: bool = True):
+        self.header = header
+        self._ck = new_checksum() if new_checksum is not None else None
+        self._sha = hashlib.sha256() if sign else None
+        self.algorithm = self._ck.algorithm if self._ck is not None else None
+        self.checksum: str | None = None
+        self.payload_sha256: str | None = None
+
+    def update(self, data) -> None:
+        if self._ck is not None:
+            self._ck.update(data)
+        if self._sha is not None:
+            self._sha.update(data)
+
+    def finish(self) -> PartDigest:
+        if self._ck is not None:
+            self.checksum = self._ck.b64()
+        if self._sha is not None:
+            self.payload_sha256 = self._sha.hexdigest()
+        self._ck = self._sha = None
+        return self
 
 
 def resolve_checksum_mode(mode: str) -> str:
@@ -261,6 +297,26 @@ def read_range(
     finally:
         if own:
             os.close(fd)
+
+
+def read_bytes(fd: int, offset: int, length: int, hashers: Sequence = ()) -> bytes:
+    """Read exactly ``length`` bytes of ``fd`` at ``offset`` into a new ``bytes`` (one
+    copy from the page cache) and feed them to every hasher.  Raises
+    :class:`SourceChangedError` on EOF before ``length`` bytes."""
+    data = os.pread(fd, length, offset)
+    if len(data) < length:  # a short read: finish it (rare), or the file ended
+        parts = [data]
+        got = len(data)
+        while got < length:
+            more = os.pread(fd, length - got, offset + got)
+            if not more:
+                raise SourceChangedError(f"file ended at {offset + got} while reading [{offset}, {offset + length})")
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    for h in hashers:
+        h.update(data)
+    return data
 
 
 def pwritev_all(fd: int, chunks: Sequence, offset: int) -> int:

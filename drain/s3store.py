@@ -1,12 +1,15 @@
 """S3 implementation of :class:`ckptfs.drain.store.ObjectStore` (aiobotocore + httpx, trio).
 
-Data path for ``upload_part`` / ``put_object`` (one read, no extra copies):
+Data path for ``upload_part`` / ``put_object`` of a file (bounded memory):
 
-1. one worker-thread call reads the file range with ``preadv`` in 4 MiB
-   chunks into a pooled ``bytearray`` and updates the checksum (and the
-   SHA-256 when ``sign_payload``) on each chunk while it is cache-hot;
-2. the buffer is handed to botocore wrapped in :class:`_Body`, an async
-   iterable of 1 MiB ``memoryview`` slices that httpx streams to the socket;
+1. the part's checksum (and the SHA-256 when ``sign_payload``) comes from the
+   caller's hashing pass as a :class:`~ckptfs.drain.localio.PartDigest` (or,
+   without one, from a read of the range here first): the header has to precede
+   the body, and radosgw 16 rejects aws-chunked trailers;
+2. the body, :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time
+   (``pread`` into ``bytes``, in a worker thread), recomputes the checksum on
+   it and yields it to httpx; it withholds the last chunk if the bytes differ
+   from the digest (the file changed since it was hashed);
 3. the request is signed by :class:`CkptfsS3SigV4Auth`, which takes the
    payload hash from the body (``UNSIGNED-PAYLOAD`` or the precomputed
    SHA-256 hex) instead of letting botocore hash the body on the event loop
@@ -150,6 +153,64 @@ class _Body:
             yield mv[i : i + step]
 
 
+class _FileRangeBody:
+    """Request body streamed from a file range: each ``BODY_CHUNK`` is read (``pread``, in
+    a worker thread) into a fresh ``bytes``, checksummed and handed to httpx, which
+    writes it out before asking for the next. A ``bytes`` chunk, not a view of a reused
+    buffer: h11 joins each chunk into ``bytes`` before writing it, which copies anything
+    else, but hands a lone ``bytes`` on as it is (one copy per byte less).
+
+    Peak memory per part in flight is about one chunk, not the part. The bytes sent must
+    have ``digest.checksum`` (even where the server would check it: after a change it
+    would answer BadDigest to every retry); if not, the last chunk is withheld and
+    :class:`~ckptfs.drain.localio.SourceChangedError` raised (kept in ``error``), so
+    the server never gets a complete part that differs from what was hashed.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int, digest):
+        self._fd, self._offset, self._length = fd, offset, length
+        self._digest = digest
+        self._verify = digest.checksum is not None
+        self.payload_sha256 = digest.payload_sha256 or UNSIGNED_PAYLOAD
+        self.error: BaseException | None = None
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __bool__(self) -> bool:
+        return True
+
+    # botocore's file-like checks (it never reads the body: the signer takes payload_sha256)
+    def read(self, n: int = -1) -> bytes:
+        end = self._length if n is None or n < 0 else min(self._length, self._pos + n)
+        out = os.pread(self._fd, end - self._pos, self._offset + self._pos)
+        self._pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    async def __aiter__(self):
+        ck = localio.Checksummer(self._digest.algorithm) if self._verify else None
+        hashers = [ck] if ck is not None else []
+        for pos in range(0, self._length, BODY_CHUNK):
+            n = min(BODY_CHUNK, self._length - pos)
+            try:
+                chunk = await trio.to_thread.run_sync(localio.read_bytes, self._fd, self._offset + pos, n, hashers)
+                if ck is not None and pos + n == self._length and ck.b64() != self._digest.checksum:
+                    raise localio.SourceChangedError(
+                        f"bytes {self._offset}..{self._offset + self._length} changed since they were hashed")
+            except Exception as e:
+                self.error = e
+                raise
+            yield chunk
+
+
 def _utc(d) -> _dt.datetime:
     if d is None:
         return _dt.datetime.fromtimestamp(0, _dt.timezone.utc)
@@ -250,7 +311,7 @@ class S3Store(ObjectStore):
         self._client = None
         self._client_ctx = None
         self._open_lock = trio.Lock()
-        self._pool = localio.BufferPool(max_idle=concurrency)
+        self._chunk_pool = localio.BufferPool(max_idle=2 * concurrency)
         self.region = region or "?"
 
     # ------------------------------------------------------------------
@@ -263,7 +324,7 @@ class S3Store(ObjectStore):
         return session
 
     def release_buffers(self) -> None:
-        self._pool.clear()
+        self._chunk_pool.clear()
 
     async def open(self) -> None:
         async with self._open_lock:
@@ -327,7 +388,7 @@ class S3Store(ObjectStore):
 
     async def aclose(self) -> None:
         ctx, self._client_ctx, self._client = self._client_ctx, None, None
-        self._pool.clear()
+        self._chunk_pool.clear()
         if ctx is not None:
             await ctx.__aexit__(None, None, None)
 
@@ -429,52 +490,24 @@ class S3Store(ObjectStore):
         method = getattr(client, xform_name(op))
         try:
             return await method(**params)
+        except localio.SourceChangedError:
+            raise
         except Exception as e:  # noqa: BLE001 - translated
             raise self._translate(e, op, key) from e
 
-    async def _read_into_body(self, src, offset: int, length: int) -> tuple[bytearray | None, _Body, dict]:
-        """Read a file range (or checksum an in-memory buffer) in ONE worker
-        thread call; returns (pooled buffer or None, body, checksum params)."""
-        new_ck = self._new_checksum
-        sign = self.sign_payload
+    async def _bytes_body(self, data) -> tuple[_Body, dict]:
+        """Body and checksum params for an in-memory PUT (hashed in a worker thread if big)."""
+        digest = self.new_part_digest()
 
-        def work(buf):
-            hashers = []
-            ck = new_ck() if new_ck else None
-            if ck is not None:
-                hashers.append(ck)
-            sha = hashlib.sha256() if sign else None
-            if sha is not None:
-                hashers.append(sha)
-            if buf is not None:
-                localio.read_range(src, offset, length, memoryview(buf), hashers)
-            else:
-                for h in hashers:
-                    h.update(src)
-            return (ck.b64() if ck else None), (sha.hexdigest() if sha else UNSIGNED_PAYLOAD)
+        def work():
+            digest.update(data)
+            return digest.finish()
 
-        if isinstance(src, (bytes, bytearray, memoryview)):
-            buf = None
-            if length <= 256 * 1024:
-                ck_b64, ph = work(None)
-            else:
-                ck_b64, ph = await trio.to_thread.run_sync(work, None)
-            body = _Body(src, ph)
+        if memoryview(data).nbytes <= 256 * 1024:
+            work()
         else:
-            buf = self._pool.get(length)
-            try:
-                ck_b64, ph = await trio.to_thread.run_sync(work, buf)
-            except BaseException:
-                self._pool.put(buf)
-                raise
-            body = _Body(memoryview(buf)[:length], ph)
-        params = {}
-        if ck_b64 is not None:
-            if self.checksum_algorithm:
-                params[f"Checksum{self.checksum_algorithm}"] = ck_b64
-            else:
-                params["ContentMD5"] = ck_b64
-        return buf, body, params
+            await trio.to_thread.run_sync(work)
+        return _Body(data, digest.payload_sha256 or UNSIGNED_PAYLOAD), self._checksum_params(digest)
 
     # ------------------------------------------------------------------
     # access / metadata
@@ -570,33 +603,40 @@ class S3Store(ObjectStore):
         *,
         storage_class: str | None = None,
         content_type: str | None = None,
+        digest: localio.PartDigest | None = None,
     ) -> PutResult:
-        full = self._k(key)
-        meta = validate_metadata(metadata)
+        """A file (a path) streams as :meth:`upload_part` does, ``digest`` likewise."""
+        params = dict(Bucket=self.bucket, Key=self._k(key), Metadata=validate_metadata(metadata))
+        if storage_class:
+            params["StorageClass"] = storage_class
+        if content_type:
+            params["ContentType"] = content_type
         if isinstance(data, (bytes, bytearray, memoryview)):
-            size = memoryview(data).nbytes
-            src = data
+            self._check_put_size(memoryview(data).nbytes)
+            body, ck = await self._bytes_body(data)
+            r = await self._call("PutObject", key, Body=body, **ck, **params)
         else:
-            src = os.fspath(data)
-            size = (await trio.to_thread.run_sync(os.stat, src)).st_size
-        if size > self.limits.max_put_size:
-            raise ValueError(f"put_object of {size} bytes exceeds the single-PUT limit; use multipart")
-        buf, body, ck = await self._read_into_body(src, 0, size)
-        try:
-            params = dict(Bucket=self.bucket, Key=full, Body=body, Metadata=meta, **ck)
-            if storage_class:
-                params["StorageClass"] = storage_class
-            if content_type:
-                params["ContentType"] = content_type
-            r = await self._call("PutObject", key, **params)
-        finally:
-            if buf is not None:
-                self._pool.put(buf)
+            fd = await trio.to_thread.run_sync(os.open, os.fspath(data), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = (await trio.to_thread.run_sync(os.fstat, fd)).st_size
+                self._check_put_size(size)
+                if digest is None:
+                    digest = self.new_part_digest()
+                    await trio.to_thread.run_sync(self._digest_range, fd, 0, size, digest)
+                ck = self._checksum_params(digest)
+                r = await self._call_streaming(
+                    "PutObject", key, _FileRangeBody(fd, 0, size, digest), **ck, **params)
+            finally:
+                await trio.to_thread.run_sync(os.close, fd)
         return PutResult(
             etag=normalize_etag(r.get("ETag")),
             version_id=r.get("VersionId"),
             checksum=next((ck[f] for f in ck if f.startswith("Checksum")), None),
         )
+
+    def _check_put_size(self, size: int) -> None:
+        if size > self.limits.max_put_size:
+            raise ValueError(f"put_object of {size} bytes exceeds the single-PUT limit; use multipart")
 
     async def create_multipart(
         self,
@@ -617,28 +657,71 @@ class S3Store(ObjectStore):
         r = await self._call("CreateMultipartUpload", key, **params)
         return r["UploadId"]
 
-    async def upload_part(self, key, upload_id, part_number, path, offset, length) -> PartRecord:
+    def new_part_digest(self) -> localio.PartDigest:
+        """The hashes an UploadPart's headers need (checksum, signed payload), for the
+        uploader's hashing pass.  With ``checksum="none"`` a CRC is still computed, for
+        the streamed body's own check only."""
+        if self._new_checksum is None:
+            alg = "CRC32C" if localio.crc32c_available() else "CRC32"
+            return localio.PartDigest(lambda: localio.Checksummer(alg), self.sign_payload, header=False)
+        return localio.PartDigest(self._new_checksum, self.sign_payload)
+
+    async def upload_part(
+        self, key, upload_id, part_number, path, offset, length, *, digest: localio.PartDigest | None = None
+    ) -> PartRecord:
+        """Streams the file range (``BODY_CHUNK`` at a time, one read of each byte here).
+
+        ``digest``: the part's finished :class:`~ckptfs.drain.localio.PartDigest` from the
+        caller's hashing pass; without it the range is read once more first to compute it.
+        The body recomputes the checksum on the bytes it sends and fails the request before
+        its last byte if they differ from ``digest`` (the file changed since it was
+        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`."""
         if not 1 <= part_number <= self.limits.max_parts:
             raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         if length > self.limits.max_part_size:
             raise ValueError(f"part of {length} bytes exceeds {self.limits.max_part_size}")
         full = self._k(key)
-        buf, body, ck = await self._read_into_body(os.fspath(path), offset, length)
+        src = os.fspath(path)
+        fd = await trio.to_thread.run_sync(os.open, src, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            r = await self._call(
-                "UploadPart",
-                key,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=part_number,
-                Body=body,
-                **ck,
+            if digest is None:
+                digest = self.new_part_digest()
+                await trio.to_thread.run_sync(self._digest_range, fd, offset, length, digest)
+            ck = self._checksum_params(digest)
+            r = await self._call_streaming(
+                "UploadPart", key, _FileRangeBody(fd, offset, length, digest),
+                Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=part_number, **ck,
             )
         finally:
-            self._pool.put(buf)
+            await trio.to_thread.run_sync(os.close, fd)
         checksum = ck.get(f"Checksum{self.checksum_algorithm}") if self.checksum_algorithm else None
         return PartRecord(number=part_number, etag=normalize_etag(r.get("ETag")), size=length, checksum=checksum)
+
+    def _checksum_params(self, digest: localio.PartDigest) -> dict:
+        if not digest.header or digest.checksum is None:
+            return {}
+        if self.checksum_algorithm:
+            return {f"Checksum{self.checksum_algorithm}": digest.checksum}
+        return {"ContentMD5": digest.checksum}
+
+    async def _call_streaming(self, op: str, key: str, body: _FileRangeBody, **params):
+        try:
+            return await self._call(op, key, Body=body, **params)
+        except StoreError:
+            if body.error is not None:  # the body's own failure, whatever botocore made of it
+                raise body.error from None
+            raise
+
+    def _digest_range(self, fd: int, offset: int, length: int, digest: localio.PartDigest) -> None:
+        buf = self._chunk_pool.get(BODY_CHUNK)
+        try:
+            mv = memoryview(buf)[:BODY_CHUNK]
+            for pos in range(0, length, BODY_CHUNK):
+                n = min(BODY_CHUNK, length - pos)
+                localio.read_range(fd, offset + pos, n, mv, [digest])
+        finally:
+            self._chunk_pool.put(buf)
+        digest.finish()
 
     async def complete_multipart(self, key, upload_id, parts: Sequence[PartRecord]) -> PutResult:
         if not parts:

@@ -535,9 +535,10 @@ class ObjectStore(abc.ABC):
         *,
         storage_class: str | None = None,
         content_type: str | None = None,
+        digest=None,
     ) -> PutResult:
         """Single PUT of ``data`` (bytes, or the whole content of the file at
-        a path) with the store's checksum.  Atomic: readers see the old or the
+        a path, with ``digest`` as for :meth:`upload_part`) with the store's checksum.  Atomic: readers see the old or the
         new object.  Size must be <= ``limits.max_put_size``; meant for small
         files (< part size)."""
 
@@ -561,10 +562,18 @@ class ObjectStore(abc.ABC):
         path: str | os.PathLike,
         offset: int,
         length: int,
+        *,
+        digest=None,
     ) -> PartRecord:
         """Upload ``length`` bytes of the file at ``path`` starting at ``offset``
-        as part ``part_number`` (1..10000).  The file range is read once, off
-        the event loop; the checksum is computed from that same buffer."""
+        as part ``part_number`` (1..10000), read off the event loop.  ``digest``:
+        the part's finished :class:`~ckptfs.drain.localio.PartDigest` (from
+        :meth:`new_part_digest`, fed by the caller's hashing pass), so the part
+        streams from the file instead of being read once more to checksum it."""
+
+    def new_part_digest(self):
+        """A :class:`~ckptfs.drain.localio.PartDigest` for the hashes an
+        :meth:`upload_part` request needs before its body, or None: none."""
 
     @abc.abstractmethod
     async def complete_multipart(self, key: str, upload_id: str, parts: Sequence[PartRecord]) -> PutResult:

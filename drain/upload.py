@@ -7,18 +7,23 @@ the journal persists, and where, is the caller's business).
   the drain's permanent-error retry, the gateway's drain restarts).
 * :func:`retry_forever` - exponential backoff with jitter, no time limit for
   retryable errors, visible retry state, immediate raise for permanent ones.
-* :func:`hash_file` - BLAKE3 of a file off the event loop (pooled hashers).
+* :func:`hash_file` - BLAKE3 of a file off the event loop (pooled hashers);
+  :func:`digest_file` - the same pass, also computing every part's checksum.
 * :func:`abort_stale_uploads` - abort multipart uploads we do not know about.
 
 BLAKE3 and multipart: the hash must be known at CreateMultipartUpload time
-(user metadata cannot be changed afterwards without rewriting the object).  We
-hash first (one extra sequential read, normally from the page cache, BLAKE3
-on all cores) and then upload; the alternative - upload, then a server-side
-CopyObject onto itself with the metadata - would rewrite the whole object on
-the server (UploadPartCopy beyond 5 GiB; radosgw copies the data), leave a
-window where the object exists without its hash, and cost seconds per GiB of
-cluster bandwidth instead of ~0.2 CPU s/GiB locally.  Small files (single PUT)
-are read once: the same buffer is hashed and sent.
+(user metadata cannot be changed afterwards without rewriting the object), and
+each part's checksum header before its body is sent (radosgw 16 rejects
+aws-chunked trailers).  So one sequential hashing pass (:func:`digest_file`)
+reads each chunk once and feeds it to the whole-file BLAKE3 *and* to its
+part's checksum (:class:`FileDigest`); the parts then stream from the file in
+small chunks (no part-sized buffers), and each part's body re-checks its
+checksum on the bytes it sends, failing the part before its last byte if the
+file changed since it was hashed.  The alternative - upload, then a
+server-side CopyObject onto itself with the metadata - would rewrite the
+whole object on the server (UploadPartCopy beyond 5 GiB), leave a window where
+the object exists without its hash, and change its ETag.  Small files (single
+PUT) are read once: the same buffer is hashed and sent.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ __all__ = [
     "retry_forever",
     "backoff_delay",
     "hash_file",
+    "digest_file",
+    "FileDigest",
+    "upload_part_size",
     "upload_file",
     "upload_bytes",
     "plan_parts",
@@ -75,6 +83,9 @@ __all__ = [
 META_BLAKE3 = "blake3"
 DEFAULT_PART_SIZE = 64 * MiB
 HASH_CHUNK = 8 * MiB
+#: single PUTs up to this size are read into memory once (hashed and sent from there);
+#: bigger ones are hashed, then streamed from the file
+BUFFERED_PUT_MAX = 8 * MiB
 
 T = TypeVar("T")
 
@@ -304,12 +315,28 @@ _hashers = _HasherPool()
 _hash_buffers = localio.BufferPool(max_idle=4)
 
 
-def hash_file_sync(path: str | os.PathLike | int, size: int | None = None) -> tuple[str, int]:
-    """BLAKE3 hex of the file (blocking; worker thread only).  Returns (hex, bytes)."""
+@dataclasses.dataclass(frozen=True)
+class FileDigest:
+    """One hashing pass over a file: its BLAKE3 and, for a multipart upload with parts of
+    ``part_size``, each part's :class:`~ckptfs.drain.localio.PartDigest` (None entries when
+    the store needs none)."""
+
+    blake3: str
+    size: int
+    part_size: int = 0
+    parts: tuple = ()
+
+
+def digest_file_sync(
+    path: str | os.PathLike | int, size: int | None = None, part_size: int = 0, new_part_digest=None
+) -> FileDigest:
+    """BLAKE3 of the file and, if ``part_size``, each part's digest (``new_part_digest()``),
+    from the same chunks of one sequential read (blocking; worker thread only)."""
     own = not isinstance(path, int)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if own else path
     h = _hashers.get()
     buf = _hash_buffers.get(HASH_CHUNK)
+    parts = []
     try:
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -317,21 +344,41 @@ def hash_file_sync(path: str | os.PathLike | int, size: int | None = None) -> tu
             pass
         mv = memoryview(buf)[:HASH_CHUNK]
         pos = 0
+        part = None
         while size is None or pos < size:
             want = HASH_CHUNK if size is None else min(HASH_CHUNK, size - pos)
+            if part_size:  # a chunk never spans two parts
+                want = min(want, part_size - pos % part_size)
             n = os.preadv(fd, [mv[:want]], pos)
             if n == 0:
                 break
-            h.update(mv[:n])
+            chunk = mv[:n]
+            h.update(chunk)
+            if part_size:
+                if pos % part_size == 0:
+                    part = new_part_digest() if new_part_digest is not None else None
+                    parts.append(part)
+                if part is not None:
+                    part.update(chunk)
+                    if (pos + n) % part_size == 0 or pos + n == size:
+                        part.finish()
             pos += n
         if size is not None and pos != size:
             raise localio.SourceChangedError(f"file has {pos} bytes, expected {size}")
-        return h.hexdigest(), pos
+        if part is not None and part.checksum is None and part.payload_sha256 is None:
+            part.finish()  # size None: the last part ended at EOF
+        return FileDigest(h.hexdigest(), pos, part_size, tuple(parts))
     finally:
         _hash_buffers.put(buf)
         _hashers.put(h)
         if own:
             os.close(fd)
+
+
+def hash_file_sync(path: str | os.PathLike | int, size: int | None = None) -> tuple[str, int]:
+    """BLAKE3 hex of the file (blocking; worker thread only).  Returns (hex, bytes)."""
+    d = digest_file_sync(path, size)
+    return d.blake3, d.size
 
 
 async def hash_file(path: str | os.PathLike, size: int | None = None) -> str:
@@ -341,6 +388,13 @@ async def hash_file(path: str | os.PathLike, size: int | None = None) -> str:
     # (the thread finishes on its own; its result is dropped).
     hexd, _ = await trio.to_thread.run_sync(hash_file_sync, os.fspath(path), size, abandon_on_cancel=True)
     return hexd
+
+
+async def digest_file(path: str | os.PathLike, size: int, part_size: int, store: ObjectStore) -> FileDigest:
+    """:func:`digest_file_sync` in a worker thread, with ``store``'s part digests."""
+    new = getattr(store, "new_part_digest", None)
+    return await trio.to_thread.run_sync(
+        digest_file_sync, os.fspath(path), size, part_size, new, abandon_on_cancel=True)
 
 
 _put_buffers = localio.BufferPool(max_idle=2)
@@ -397,6 +451,31 @@ def _stat_id(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def upload_part_size(
+    store: ObjectStore, key: str, size: int, options: UploadOptions = DEFAULT_OPTIONS, resume=None
+) -> int:
+    """The part size :func:`upload_file` uses for a multipart upload of ``size`` bytes:
+    the resumed upload's, if ``resume`` can be resumed at all, else :func:`plan_parts`'s.
+    (A caller hashing ahead with :func:`digest_file` asks this first.)"""
+    limits = store.limits
+    resume = _coerce_record(resume)
+    if (
+        resume is not None
+        and resume.key == key
+        and resume.size == size
+        and resume.part_size >= limits.min_part_size
+        and math.ceil(size / resume.part_size) <= limits.max_parts
+    ):
+        return resume.part_size
+    return plan_parts(
+        size,
+        options.part_size,
+        min_part_size=limits.min_part_size,
+        max_part_size=limits.max_part_size,
+        max_parts=limits.max_parts,
+    )
+
+
 async def upload_file(
     store: ObjectStore,
     key: str,
@@ -405,22 +484,26 @@ async def upload_file(
     *,
     size: int | None = None,
     blake3_hex: str | None = None,
+    digest: FileDigest | None = None,
     resume: UploadRecord | Mapping | Any | None = None,
     journal: UploadJournal = NO_JOURNAL,
     options: UploadOptions = DEFAULT_OPTIONS,
 ) -> UploadResult:
     """Upload the local file ``path`` to ``key``.
 
-    * ``size <= options.part_size``: one PUT (file read once: hashed and sent
-      from the same buffer).
+    * ``size <= options.part_size``: one PUT (up to ``BUFFERED_PUT_MAX`` the file
+      is read once: hashed and sent from the same buffer; above, streamed as a part).
     * otherwise multipart with ``options.concurrency`` parts in flight (and, if
       given, ``options.part_limiter`` shared by all concurrent uploads).  The
       file's BLAKE3 is computed first (see module doc) and stored as user
       metadata ``blake3`` together with ``metadata``.
     * ``size``: expected size; a different file size raises
       :class:`~ckptfs.drain.localio.SourceChangedError`.
-    * ``blake3_hex``: the file's BLAKE3 if the caller already knows it
-      (trusted for multipart: skips the hash pass; checked for single PUTs).
+    * ``blake3_hex``: the file's BLAKE3 if the caller already knows it (checked:
+      a different content raises SourceChangedError).
+    * ``digest``: the file's :class:`FileDigest` from the caller's own hashing pass
+      (:func:`digest_file` with :func:`upload_part_size`); used if its part size is
+      the one this upload uses, else the file is hashed here.
     * ``resume``: state saved from an earlier attempt - an :class:`UploadRecord`,
       its ``to_dict()``, or any object with ``key, upload_id, part_size, size,
       blake3, parts`` attributes (parts: PartRecords or their dicts).  Used if it
@@ -448,35 +531,46 @@ async def upload_file(
     if journal.should_abort():
         raise UploadAborted(key)
 
-    # ---- small file: single PUT, one read --------------------------------
+    # ---- small file: single PUT ------------------------------------------------
     resume = _coerce_record(resume)
     if size <= options.part_size:
         if resume is not None:
             await _abort_quietly(store, resume.key, resume.upload_id)
-        buf, digest = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+        buf = None
         try:
-            if blake3_hex is not None and blake3_hex != digest:
-                raise localio.SourceChangedError(f"{path}: blake3 {digest} != expected {blake3_hex}")
-            meta[META_BLAKE3] = digest
+            if size > BUFFERED_PUT_MAX and store.new_part_digest() is not None:
+                # hashed, then streamed from the file like a part (memory stays bounded)
+                fdg = await digest_file(path, size, size, store)
+                hexd, body, put_kw = fdg.blake3, path, {"digest": fdg.parts[0]}
+            else:  # read once: the same buffer is hashed and sent
+                buf, hexd = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+                body, put_kw = memoryview(buf)[:size], {}
+            if blake3_hex is not None and blake3_hex != hexd:
+                raise localio.SourceChangedError(f"{path}: blake3 {hexd} != expected {blake3_hex}")
+            meta[META_BLAKE3] = hexd
             st1 = await trio.to_thread.run_sync(os.stat, path)
             if _stat_id(st1) != _stat_id(st0):
                 raise localio.SourceChangedError(f"{path} changed while being read")
-            data = memoryview(buf)[:size]
             if not await journal.may_complete():
                 raise UploadAborted(f"upload of {key} cancelled by may_complete()")
             res = await retry(
                 lambda: store.put_object(
-                    key, data, meta, storage_class=options.storage_class, content_type=options.content_type
+                    key, body, meta, storage_class=options.storage_class, content_type=options.content_type, **put_kw
                 ),
                 f"PutObject {key}",
             )
         finally:
-            _put_buffers.put(buf)
-        return UploadResult(key, res.etag, size, digest, False, bytes_uploaded=size)
+            if buf is not None:
+                _put_buffers.put(buf)
+        return UploadResult(key, res.etag, size, hexd, False, bytes_uploaded=size)
 
     # ---- multipart -----------------------------------------------------------
-    digest = blake3_hex or await hash_file(path, size)
-    meta[META_BLAKE3] = digest
+    part_size = upload_part_size(store, key, size, options, resume)
+    if digest is None or (digest.size, digest.part_size) != (size, part_size):
+        digest = await digest_file(path, size, part_size, store)
+    if blake3_hex is not None and blake3_hex != digest.blake3:
+        raise localio.SourceChangedError(f"{path}: blake3 {digest.blake3} != expected {blake3_hex}")
+    meta[META_BLAKE3] = digest.blake3
     job = _Multipart(
         store=store,
         key=key,
@@ -484,14 +578,9 @@ async def upload_file(
         size=size,
         st0=st0,
         meta=meta,
-        digest=digest,
-        part_size=plan_parts(
-            size,
-            options.part_size,
-            min_part_size=store.limits.min_part_size,
-            max_part_size=store.limits.max_part_size,
-            max_parts=store.limits.max_parts,
-        ),
+        digest=digest.blake3,
+        part_digests=digest.parts,
+        part_size=part_size,
         options=options,
         journal=journal,
         retry=retry,
@@ -532,6 +621,7 @@ class _Multipart:
     st0: os.stat_result
     meta: dict
     digest: str
+    part_digests: tuple  #: PartDigest | None per part, for ``part_size``
     part_size: int
     options: UploadOptions
     journal: UploadJournal
@@ -584,7 +674,6 @@ class _Multipart:
         )
         self.done = kept
         self.reused = len(kept)
-        self.part_size = resume.part_size
 
     async def run(self) -> UploadResult:
         store, key, options = self.store, self.key, self.options
@@ -659,6 +748,9 @@ class _Multipart:
         size, ps = record.size, record.part_size
         nparts = math.ceil(size / ps)
         todo = iter([n for n in range(1, nparts + 1) if n not in self.done])
+        if ps != self.part_size:  # upload_part_size() gave a resumable record's part size
+            raise AssertionError(f"part size {ps} != hashed part size {self.part_size}")
+        digests = self.part_digests
         aborted = False
         store, journal, limiter = self.store, self.journal, self.options.part_limiter
 
@@ -667,11 +759,14 @@ class _Multipart:
                 off = (n - 1) * ps
                 ln = min(ps, size - off)
 
-                async def send(n=n, off=off, ln=ln):
+                pd = digests[n - 1] if n <= len(digests) else None
+                kw = {} if pd is None else {"digest": pd}
+
+                async def send(n=n, off=off, ln=ln, kw=kw):
                     if limiter is None:
-                        return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln)
+                        return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln, **kw)
                     async with limiter:
-                        return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln)
+                        return await store.upload_part(record.key, record.upload_id, n, self.path, off, ln, **kw)
 
                 p = await self.retry(send, f"UploadPart {n}/{nparts} {record.key}")
                 self.done[n] = p

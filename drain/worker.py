@@ -40,16 +40,18 @@ from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
 from .store import NotFoundError, ObjectStore, PartRecord, StoreError
 from .upload import (
     Backoff,
+    FileDigest,
     RetryState,
     UploadAborted,
     UploadJournal,
     UploadOptions,
     abort_stale_uploads,
-    hash_file,
+    digest_file,
     release_buffers,
     retry_forever,
     upload_bytes,
     upload_file,
+    upload_part_size,
 )
 
 log = logging.getLogger("ckptfs.drain")
@@ -176,9 +178,10 @@ class Drain:
         # every core): the first file's parts go out while the next one is hashed, instead
         # of every file of a checkpoint being hashed before the first byte is sent.
         self.hash_limiter = trio.CapacityLimiter(1)
-        # BLAKE3 of closed files computed while their settle window runs (ino ->
-        # (generation, size, hex)); used only if the generation did not move.
-        self.prehashed: dict[int, tuple[int, int, str]] = {}
+        # BLAKE3 and part checksums of closed files computed while their settle window
+        # runs (ino -> (generation, size, FileDigest)); used only if the generation did
+        # not move.
+        self.prehashed: dict[int, tuple[int, int, FileDigest | None]] = {}
         self.prehashing: int | None = None
         # One marker invalidation at a time: a shard that finds its markers already
         # requeued must not upload before the delete another task started has finished.
@@ -633,14 +636,16 @@ class Drain:
                 try:
                     digest = None
                     if job.size > self.part_size:
+                        part_size = upload_part_size(self.store, key, job.size, self.upload_options, resume)
                         async with self.hash_limiter:
                             pre = self.prehashed.pop(job.ino, None)
-                            if pre is not None and pre[:2] == (job.generation, job.size):
+                            if pre is not None and pre[:2] == (job.generation, job.size) and pre[2] is not None \
+                                    and pre[2].part_size == part_size:
                                 digest = pre[2]
                             else:
-                                digest = await hash_file(path, job.size)
+                                digest = await digest_file(path, job.size, part_size, self.store)
                     result = await upload_file(
-                        self.store, key, path, meta, size=job.size, blake3_hex=digest, resume=resume,
+                        self.store, key, path, meta, size=job.size, digest=digest, resume=resume,
                         journal=journal, options=self.upload_options,
                     )
                 except Exception as exc:
@@ -721,13 +726,14 @@ class Drain:
         try:
             info = await self._read(self._prehash_info, ino)
             if info is None:
-                self.prehashed[ino] = (-1, -1, "")  # not worth it; do not look again
+                self.prehashed[ino] = (-1, -1, None)  # not worth it; do not look again
                 return
             path = self.cache.data_path(ino)
             async with self.hash_limiter:
                 if ino in self.busy:
                     return  # its upload started; it hashes itself
-                digest = await hash_file(path, info[1])
+                part_size = upload_part_size(self.store, "", info[1], self.upload_options)
+                digest = await digest_file(path, info[1], part_size, self.store)
                 # stored before the limiter is released: an upload waiting for it finds it
                 if await self._read(self._prehash_info, ino) == info:
                     self.prehashed[ino] = (*info, digest)

@@ -79,9 +79,9 @@ class RecStore:
         return await self._call("create_multipart", key, None,
                                 lambda: self._inner.create_multipart(key, metadata, **kw))
 
-    async def upload_part(self, key, upload_id, part_number, path, offset, length):
+    async def upload_part(self, key, upload_id, part_number, path, offset, length, **kw):
         return await self._call("upload_part", key, part_number,
-                                lambda: self._inner.upload_part(key, upload_id, part_number, path, offset, length))
+                                lambda: self._inner.upload_part(key, upload_id, part_number, path, offset, length, **kw))
 
     async def complete_multipart(self, key, upload_id, parts):
         return await self._call("complete_multipart", key, upload_id,

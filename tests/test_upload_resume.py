@@ -42,9 +42,9 @@ class CountingStore:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def upload_part(self, key, upload_id, n, path, off, ln):
+    async def upload_part(self, key, upload_id, n, path, off, ln, **kw):
         self.parts_sent.append(n)
-        return await self._inner.upload_part(key, upload_id, n, path, off, ln)
+        return await self._inner.upload_part(key, upload_id, n, path, off, ln, **kw)
 
     async def create_multipart(self, *a, **kw):
         self.creates += 1
@@ -298,12 +298,12 @@ def test_part_limiter_bounds_parts_in_flight(tmp_path):
     in_flight = {"now": 0, "max": 0}
 
     class Slow(CountingStore):
-        async def upload_part(self, *a):
+        async def upload_part(self, *a, **kw):
             in_flight["now"] += 1
             in_flight["max"] = max(in_flight["max"], in_flight["now"])
             try:
                 await trio.sleep(0.005)
-                return await super().upload_part(*a)
+                return await super().upload_part(*a, **kw)
             finally:
                 in_flight["now"] -= 1
 

@@ -150,12 +150,12 @@ class FlakyStore:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def upload_part(self, key, upload_id, n, path, off, ln):
+    async def upload_part(self, key, upload_id, n, path, off, ln, **kw):
         self.attempts[n] = self.attempts.get(n, 0) + 1
         pending = self.failures.get(n)
         if pending:
             raise pending.pop(0)
-        return await self._inner.upload_part(key, upload_id, n, path, off, ln)
+        return await self._inner.upload_part(key, upload_id, n, path, off, ln, **kw)
 
 
 def test_upload_with_flaky_store_retries(tmp_path):
