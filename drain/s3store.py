@@ -29,19 +29,25 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import hashlib
+import http.client
 import logging
 import os
+import re
 import secrets
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from xml.etree import ElementTree
 
 import botocore.auth
 import botocore.exceptions
 import trio
+import urllib3
 from aiobotocore.config import AioConfig
 from aiobotocore.httpxsession import HttpxSession
 from aiobotocore.session import AioSession
 from botocore import xform_name
 from botocore.auth import S3SigV4Auth
+from botocore.httpsession import ProxyConfiguration, get_cert_path
 
 from . import localio
 from .store import (
@@ -70,6 +76,10 @@ __all__ = ["S3Store", "CkptfsS3SigV4Auth"]
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 BODY_CHUNK = 1 * MiB
 _SIGNER_NAME = "ckptfs-s3v4"
+#: read size of a GetObject body (and so of each pwrite into the destination)
+GET_CHUNK = 1 * MiB
+#: lifetime of the presigned URL of one GetObject (it is used at once)
+PRESIGN_SECONDS = 900
 
 
 class CkptfsS3SigV4Auth(S3SigV4Auth):
@@ -234,6 +244,8 @@ class S3Store(ObjectStore):
     limits = S3_LIMITS
     #: keys per ListObjectsV2 page (S3 maximum: 1000)
     list_page_size = 1000
+    #: the GetObject path (:class:`_BlockingGets`), made on the first GET
+    _gets: _BlockingGets | None = None
 
     def __init__(
         self,
@@ -929,58 +941,58 @@ class S3Store(ObjectStore):
         file_offset: int | None = None,
         if_match: str | None = None,
     ) -> int:
+        """GetObject streamed into ``dest`` by a worker thread (:class:`_BlockingGets`):
+        the request is a presigned URL from the client, Range and If-Match ordinary headers."""
         if offset < 0 or (length is not None and length < 0):
             raise ValueError("bad range")
         if length == 0:
             return 0
-        rng = None
+        headers = {}
         if length is not None:
-            rng = f"bytes={offset}-{offset + length - 1}"
+            headers["Range"] = f"bytes={offset}-{offset + length - 1}"
         elif offset:
-            rng = f"bytes={offset}-"
+            headers["Range"] = f"bytes={offset}-"
+        if if_match:
+            headers["If-Match"] = f'"{normalize_etag(if_match)}"'
+        client = await self._c()
         try:
-            r = await self._get(key, rng, if_match)
-        except StoreError as e:
-            if e.code == "InvalidRange":
-                return 0
-            raise
+            url = await client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": self._k(key)}, ExpiresIn=PRESIGN_SECONDS
+            )
+        except Exception as e:  # translated (credentials)
+            raise self._translate(e, "GetObject", key) from e
+        if self._gets is None:
+            self._gets = _BlockingGets(self)
         pos = offset if file_offset is None else file_offset
-        own = not isinstance(dest, int)
-        fd = (
-            await trio.to_thread.run_sync(os.open, os.fspath(dest), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            if own
-            else dest
-        )
-        expected = int(r.get("ContentLength", -1))
-        written = 0
-        batch: list[bytes] = []
-        batch_bytes = 0
-        flush_at = 8 * MiB
-        body = r["Body"]
         try:
-            try:
-                raw = getattr(body, "raw_stream", None)
-                # httpx: iterate the raw response (no re-buffering); else aiobotocore's API
-                chunks = raw.aiter_raw() if hasattr(raw, "aiter_raw") else body.iter_chunks(1 << 20)
-                async with body:
-                    async for chunk in chunks:
-                        batch.append(chunk)
-                        batch_bytes += len(chunk)
-                        if batch_bytes >= flush_at:
-                            written += await trio.to_thread.run_sync(localio.pwritev_all, fd, batch, pos + written)
-                            batch, batch_bytes = [], 0
-            except Exception as e:  # noqa: BLE001
-                raise self._translate(e, "GetObject", key) from e
-            if batch:
-                written += await trio.to_thread.run_sync(localio.pwritev_all, fd, batch, pos + written)
-        finally:
-            if own:
-                await trio.to_thread.run_sync(os.close, fd)
-        if expected >= 0 and written != expected:
+            written, expected = await trio.to_thread.run_sync(self._gets.get_to_file, url, headers, dest, pos)
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, ConnectionError) as e:
+            raise self._translate(self._urllib3_error(e), "GetObject", key) from None
+        except Exception as e:  # error responses, local I/O errors
+            err = self._translate(e, "GetObject", key)
+            if err.code == "InvalidRange":
+                return 0
+            raise err from e
+        if expected is not None and written != expected:
             raise make_error(
                 f"GetObject {key!r}: got {written} of {expected} bytes", code="IncompleteBody", op="GetObject", key=key
             )
         return written
+
+    def _urllib3_error(self, e: BaseException) -> Exception:
+        """A connection-level error of :class:`_BlockingGets` as botocore's exception (for
+        :meth:`_translate`), its text without the presigned URL's query string."""
+        where, text = self.endpoint_url or "", _without_query(e)
+        exc = botocore.exceptions
+        if isinstance(e, urllib3.exceptions.SSLError):
+            return exc.SSLError(endpoint_url=where, error=text)
+        if isinstance(e, urllib3.exceptions.NewConnectionError):  # a ConnectTimeoutError subclass
+            return exc.EndpointConnectionError(endpoint_url=where, error=text)
+        if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
+            return exc.ConnectTimeoutError(endpoint_url=where, error=text)
+        if isinstance(e, urllib3.exceptions.TimeoutError):
+            return exc.ReadTimeoutError(endpoint_url=where, error=text)
+        return exc.ConnectionClosedError(endpoint_url=f"{where} ({type(e).__name__}: {text})")
 
     # ------------------------------------------------------------------
     # tags / lifecycle
@@ -1042,3 +1054,87 @@ def _add_content_md5(params, **kwargs):
     if isinstance(body, (bytes, bytearray)) and "Content-MD5" not in headers:
         headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
+
+def _without_query(e: BaseException) -> str:
+    """An error's text without URL query strings (a presigned URL's carry the access key id)."""
+    return re.sub(r"\?[^\s'\"]*", "?...", str(e))
+
+
+def _error_response(status: int, body: bytes) -> botocore.exceptions.ClientError:
+    """An S3 error response (status and XML body) as botocore would raise it."""
+    code = message = ""
+    try:
+        root = ElementTree.fromstring(body) if body else None
+    except ElementTree.ParseError:
+        root = None
+    if root is not None:
+        code = root.findtext("Code") or ""
+        message = root.findtext("Message") or ""
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
+
+
+class _BlockingGets:
+    """GetObject bodies read with blocking sockets (urllib3), in a worker thread, and
+    pwritten straight to the destination: one thread hop per GET instead of one trip
+    through trio, httpcore and h11 per 64 KiB read. Measured with
+    ``integration/bench_get.py`` (DESIGN.md, "Read path performance"): about 0.9 CPU s/GiB
+    against 5 through aiobotocore/httpx and 2 for boto3's transfer manager.
+
+    Same TLS verification (botocore's CA bundle, or ``verify_tls``), timeouts and
+    environment proxies as the aiobotocore client; no retries (the callers retry)."""
+
+    def __init__(self, store: S3Store):
+        kw = {
+            "maxsize": store.max_pool_connections,
+            "block": False,
+            "retries": False,
+            "timeout": urllib3.Timeout(connect=store._connect_timeout, read=store._read_timeout),
+        }
+        if store._verify:
+            kw.update(cert_reqs="CERT_REQUIRED", ca_certs=get_cert_path(store._verify))
+        else:
+            kw.update(cert_reqs="CERT_NONE")
+        self._kw = kw
+        self._direct = urllib3.PoolManager(**kw)
+        self._proxied: dict[str, urllib3.ProxyManager] = {}
+        self._lock = threading.Lock()
+
+    def _pool_for(self, url: str) -> urllib3.PoolManager:
+        proxy = ProxyConfiguration().proxy_url_for(url)
+        if not proxy:
+            return self._direct
+        with self._lock:
+            pool = self._proxied.get(proxy)
+            if pool is None:
+                pool = self._proxied[proxy] = urllib3.ProxyManager(proxy, **self._kw)
+            return pool
+
+    def get_to_file(self, url: str, headers: dict, dest, pos: int) -> tuple[int, int | None]:
+        """GET ``url`` into ``dest`` (a path or an fd) from ``pos``; the bytes written and
+        the response's Content-Length.
+        Raises ClientError for an error response, urllib3/OS errors for the connection."""
+        r = self._pool_for(url).request("GET", url, headers=headers, preload_content=False, redirect=False)
+        done = False
+        try:
+            if r.status >= 300:
+                raise _error_response(r.status, r.read(64 * 1024))
+            own = not isinstance(dest, int)
+            fd = os.open(os.fspath(dest), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600) if own else dest
+            written = 0
+            try:
+                # urllib3 raises if the body ends before its Content-Length
+                while chunk := r.read(GET_CHUNK):
+                    written += localio.pwritev_all(fd, [chunk], pos + written)
+                    trio.from_thread.check_cancelled()
+            finally:
+                if own:
+                    os.close(fd)
+            done = True
+            length = r.headers.get("Content-Length")
+            return written, (int(length) if length is not None else None)
+        finally:
+            if not done:
+                r.close()  # the connection is in an unknown state: not back into the pool
+            r.release_conn()

@@ -40,6 +40,22 @@ COMMIT_INTERVAL_SECONDS = 0.01
 
 log = logging.getLogger("ckptfs.mount")
 
+#: the mount's kernel read-ahead (KiB); the kernel's default for FUSE is 128, which makes a
+#: cold sequential read cost a READ request per 128 KiB (DESIGN.md, "Read path performance")
+READ_AHEAD_KB = 4096
+
+
+def raise_read_ahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
+    """Set the mount's read-ahead (``/sys/class/bdi/MAJ:MIN/read_ahead_kb``). Only after INIT:
+    the kernel caps it there at what it had offered. Best effort (it needs root); blocking
+    (it stats the mount, which this process serves): call it from a worker thread."""
+    try:
+        st = os.stat(mountpoint)
+        with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        log.warning("read-ahead of %s stays at the kernel's default: %s", mountpoint, exc)
+
 class NotOnMount(Exception):
     """A path the user named is not on a ckptfs mount."""
 
@@ -270,6 +286,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             mode = "writeback"
         log.info("data path: %s (%s)", mode, data_path_why if mode == data_path else "not granted at INIT")
         record_data_path(mode)
+        # runs once INIT's reply is in (this handler returns first)
+        trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, raise_read_ahead, mountpoint)
 
     ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init)
     if data_path == "passthrough":

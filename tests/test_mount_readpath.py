@@ -86,6 +86,19 @@ def test_a_remote_file_reads_through_then_reopens_from_the_cache(gateway_factory
         assert reads(gw) == gateway_reads  # the native data path: no READ reaches the gateway
 
 
+def test_a_cold_sequential_read_reaches_the_gateway_in_large_reads(gateway_factory):
+    """The mount's read-ahead is raised past the kernel's 128 KiB default (gateway/mount.py),
+    so a cold sequential read costs the gateway a few large READs, not one per 128 KiB."""
+    gw = gateway_factory()
+    data = os.urandom(32 * MiB)
+    remote_files(gw, {"big.bin": data})
+    before = reads(gw)
+    with open(gw.mnt / "big.bin", "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(8 * MiB), b""))
+    assert got == data
+    assert reads(gw) - before <= len(data) // (512 * 1024)
+
+
 def test_a_corrupt_object_fails_the_read_with_eio(gateway_factory):
     gw = gateway_factory()
     remote_files(gw, {"bad.pt": os.urandom(2 * MiB)}, blake3_hex="0" * 64)

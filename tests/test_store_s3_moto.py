@@ -314,6 +314,23 @@ def test_check_access_errors(moto, servers):
     trio.run(main)
 
 
+def test_get_to_file_dead_endpoint(tmp_path):
+    """The read path's GET (presigned, read in a worker thread) to an endpoint that is not
+    there: a retryable ConnectionError whose message carries no part of the presigned URL
+    (its query string holds the access key id). The other answers: integration/test_store_get.py."""
+
+    async def main():
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with open_store(f"s3://{BUCKET}", endpoint_url=dead, connect_timeout=2) as st:
+            with pytest.raises(StoreError) as ei:
+                await st.get_to_file("g/obj", tmp_path / "x", 0, 10)
+        assert ei.value.code == "ConnectionError" and ei.value.retryable
+        assert FAKE_ENV["AWS_ACCESS_KEY_ID"] not in str(ei.value) and "Signature" not in str(ei.value)
+
+    with fake_aws_env():
+        trio.run(main)
+
+
 def test_concurrent_parts_share_pool(moto, tmp_path):
     """Several part uploads in flight on one client; without a digest from the caller
     each reads its range once to checksum it, through chunk-sized pooled buffers

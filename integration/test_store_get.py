@@ -1,0 +1,77 @@
+"""``S3Store.get_to_file`` (the read path's GET: presigned, read in a worker thread with
+urllib3) against the real radosgw, over http and https: what the fetcher relies on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from ckptfs.drain.s3store import S3Store
+from ckptfs.drain.store import MiB, NotFoundError, PreconditionFailedError, StoreError
+from integration.s3server import S3Server
+
+
+def store(s3: S3Server, bucket: str, *, tls: bool = False, **kw) -> S3Store:
+    kwargs = {"bucket": bucket, "prefix": "g/", "region": s3.region, "connect_timeout": 5,
+              "aws_access_key_id": s3.access_key, "aws_secret_access_key": s3.secret_key,
+              "endpoint_url": s3.https_endpoint_url if tls else s3.endpoint_url}
+    return S3Store(**{**kwargs, **kw})
+
+
+def test_get_to_file_ranges_and_answers(s3_server: S3Server, s3_bucket: str, tmp_path):
+    data = os.urandom(5 * MiB + 7)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="g/obj", Body=data)
+    whole, cache = tmp_path / "whole.bin", tmp_path / "cache.bin"
+
+    async def main():
+        async with store(s3_server, s3_bucket) as st:
+            info = await st.head("obj")
+            assert await st.get_to_file("obj", whole) == len(data)
+            assert whole.read_bytes() == data
+            fd = os.open(cache, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, len(data))
+                # parts landing out of order at their offsets, as the fetcher issues them
+                async with trio.open_nursery() as nursery:
+                    for off in range(0, len(data), 2 * MiB):
+                        nursery.start_soon(lambda o=off: st.get_to_file(
+                            "obj", fd, o, min(2 * MiB, len(data) - o), if_match=info.etag))
+                assert os.pread(fd, len(data) + 1, 0) == data
+                with pytest.raises(PreconditionFailedError):
+                    await st.get_to_file("obj", fd, 0, 10, if_match="0" * 32)
+                with pytest.raises(NotFoundError):
+                    await st.get_to_file("missing", fd, 0, 10)
+                assert await st.get_to_file("obj", fd, len(data) + 1, 10) == 0
+            finally:
+                os.close(fd)
+
+        async with store(s3_server, s3_bucket, aws_secret_access_key="wrong" * 8) as st:
+            with pytest.raises(StoreError) as ei:
+                await st.get_to_file("obj", whole, 0, 10)
+        e = ei.value
+        assert e.code == "SignatureDoesNotMatch" and not e.retryable and e.status == 403
+        assert s3_server.access_key not in str(e) and "wrong" * 8 not in str(e)
+
+    trio.run(main)
+
+
+def test_get_to_file_over_https(s3_server: S3Server, s3_bucket: str, tmp_path):
+    """The store's CA bundle is used; a certificate it does not trust is a permanent TLSError."""
+    if not s3_server.https_endpoint_url:
+        pytest.skip("server not started with tls=True")
+    data = os.urandom(MiB + 3)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="g/tls", Body=data)
+    dest = tmp_path / "tls.bin"
+
+    async def main():
+        async with store(s3_server, s3_bucket, tls=True, verify_tls=s3_server.ca_bundle) as st:
+            assert await st.get_to_file("tls", dest, 1, MiB + 2) == MiB + 2
+        assert dest.read_bytes()[1:] == data[1:]
+        async with store(s3_server, s3_bucket, tls=True) as st:  # botocore's bundle: self-signed fails
+            with pytest.raises(StoreError) as ei:
+                await st.get_to_file("tls", dest, 0, 10)
+        assert ei.value.code == "TLSError" and not ei.value.retryable
+
+    trio.run(main)
