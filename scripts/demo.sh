@@ -54,4 +54,13 @@ printf '   mount:  %s\n' "$(getfattr --absolute-names --only-values -n user.ckpt
 
 echo "== ckptfs umount --wait-durable $MNT"
 "$CKPTFS" umount "$MNT" --wait-durable --timeout 60
+
+echo "== another node: the same bucket, an empty cache ($DEMO/cache-node2)"
+"$CKPTFS" mount "file://$BUCKET" "$MNT" --cache-dir "$DEMO/cache-node2" --metrics-addr 127.0.0.1:0
+ls -l "$MNT/run1/step_1000" | sed 's/^/   /'
+echo "== ckptfs prefetch $MNT/run1/step_1000   (before a resume: fetch it in parallel, checked against blake3)"
+"$CKPTFS" prefetch "$MNT/run1/step_1000" | sed 's/^/   /'
+cmp "$MNT/run1/step_1000/__0_0.distcp" "$BUCKET/run1/step_1000/__0_0.distcp" \
+  && echo "   __0_0.distcp reads back identical on the second node"
+"$CKPTFS" umount "$MNT"
 echo "done: demo files are in $DEMO"
