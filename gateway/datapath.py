@@ -48,13 +48,15 @@ def stat_id(st: os.stat_result) -> tuple[int, int, int]:
 def refresh(of: OpenFile) -> bool:
     """Take an open file's size and times from its cache file if it changed since last seen.
 
-    Returns True if it did (``of.attrs_dirty`` is then set). Call with the state lock held.
+    Returns True if it did (``of.attrs_dirty`` and ``of.cache_moved`` are then set: the next
+    persist needs both, whoever called this). Call with the state lock held.
     """
     st = os.fstat(of.fd)
     sid = stat_id(st)
     if sid == of.cache_stat:
         return False
     of.cache_stat = sid
+    of.cache_moved = True
     of.size = st.st_size
     of.mtime_ns = st.st_mtime_ns
     of.ctime_ns = max(of.ctime_ns, st.st_ctime_ns)

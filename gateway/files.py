@@ -44,6 +44,9 @@ class OpenFile:
     # passthrough mode (gateway/datapath.py):
     backing_id: int = 0  # shared by every handle of the inode
     cache_stat: tuple | None = None  # the cache file's stat_id when last taken into size/mtime
+    # The cache file changed since the last persist (datapath.refresh saw it, maybe in a
+    # GETATTR): persist must know even when its own refresh finds nothing new.
+    cache_moved: bool = False
     opened_for_write: bool = False
     # The first write refused for want of cache space (gateway/space.py): the file is cut
     # there at the next persist, so it never holds a hole, and later writes fail too.
@@ -277,7 +280,9 @@ class OpenFiles:
             self._cut_at_failure(of)
             with s.lock:
                 # Passthrough: writes went straight to the cache file, unseen.
-                moved = s.backing is not None and of.remote is None and datapath.refresh(of)
+                if s.backing is not None and of.remote is None:
+                    datapath.refresh(of)
+                moved, of.cache_moved = of.cache_moved, False
                 if not of.attrs_dirty:
                     of.needs_bump = True
                     return
@@ -303,6 +308,7 @@ class OpenFiles:
             except BaseException:
                 with s.lock:
                     of.attrs_dirty = True  # not stored: the next flush or fsync tries again
+                    of.cache_moved = of.cache_moved or moved
                 raise
             of.needs_bump = True
 

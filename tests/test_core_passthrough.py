@@ -59,6 +59,20 @@ def written(core, data: bytes, flags: int) -> tuple[int, int]:
     _kernel_write(core, attr.ino, 0, data)
     return fh, attr.ino
 
+
+def fsynced_and_uploaded(core, fh: int, ino: int) -> int:
+    """fsync the handle, then do what the drain does once it uploaded the file (with
+    fsync=remote, while the handle stays open): durable, off the queue. The generation."""
+    core.fsync(fh, False)
+
+    def the_drain_uploaded_it(txn):
+        inode = txn.get_inode(ino)
+        durability.mark_durable(txn, inode, inode.generation, RemoteRecord("f", 100, "h", inode.generation))
+        durability.mark_settled(txn, ino)
+
+    core.meta.write(the_drain_uploaded_it)
+    return _inode(core, ino).generation
+
 def test_one_backing_id_per_inode_closed_with_the_last_handle(pt):
     core, ids = pt
     fh1, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
@@ -168,19 +182,28 @@ def test_writes_after_the_bucket_got_the_file_bump_again_while_the_handle_stays_
     passthrough writes must not be taken for the durable content (no new generation = no upload)."""
     core, _ = pt
     fh, ino = written(core, b"x" * 100, os.O_RDWR)
-    core.fsync(fh, False)
-
-    def the_drain_uploaded_it(txn):
-        inode = txn.get_inode(ino)
-        durability.mark_durable(txn, inode, inode.generation, RemoteRecord("f", 100, "h", inode.generation))
-        durability.mark_settled(txn, ino)
-
-    core.meta.write(the_drain_uploaded_it)
-    g0 = _inode(core, ino).generation
+    g0 = fsynced_and_uploaded(core, fh, ino)
     _kernel_write(core, ino, 100, b"tail")
     core.fsync(fh, False)
     inode = _inode(core, ino)
     assert inode.generation > g0 and inode.size == 104
+    with core.meta.read() as txn:
+        assert txn.get_pending(ino).reason == durability.DATA
+    core.release(fh)
+
+
+def test_a_getattr_between_the_writes_and_the_flush_does_not_hide_them_from_the_drain(pt):
+    """The kernel asks for attributes at any time (stat, its attribute cache expiring). A
+    GETATTR that sees the passthrough writes of a file the bucket already has must not make
+    the next flush take them for the durable content: same size, new bytes, new generation."""
+    core, _ = pt
+    fh, ino = written(core, b"x" * 100, os.O_RDWR)
+    g0 = fsynced_and_uploaded(core, fh, ino)
+    _kernel_write(core, ino, 10, b"y" * 10)  # overwritten in place: the size stays
+    assert core.getattr(ino).size == 100
+    core.fsync(fh, False)
+    inode = _inode(core, ino)
+    assert inode.generation > g0 and inode.durable_generation != inode.generation
     with core.meta.read() as txn:
         assert txn.get_pending(ino).reason == durability.DATA
     core.release(fh)

@@ -130,3 +130,24 @@ def test_a_shared_mapping_written_after_close_is_noticed(gateway_factory, tmp_pa
     # The gateway's sweep notices the cache file moved, bumps the generation, the drain re-uploads.
     _wait_for(lambda: (gw.bucket / "mapped.bin").read_bytes() == expected, 30,
               "the bucket to get the bytes written through the mapping")
+
+
+def test_fsync_remote_then_an_overwrite_seen_by_stat_still_reaches_the_bucket(gateway_factory, tmp_path):
+    """fsync=remote makes the file durable while its handle stays open; an in-place overwrite
+    (same size) that a stat sees before close must still be uploaded."""
+    gw = gateway_factory(data_path="passthrough",
+                         extra_args=("--config", str(_drain_config(tmp_path)), "--fsync", "remote"))
+    path = gw.mnt / "shard.pt"
+    with open(path, "w+b") as f:
+        f.write(b"a" * MiB)
+        f.flush()
+        os.fsync(f.fileno())  # in the bucket now
+        f.seek(4096)
+        f.write(b"b" * 4096)
+        f.flush()
+        os.stat(path)  # a GETATTR sees the change before the flush at close
+    want = b"a" * 4096 + b"b" * 4096 + b"a" * (MiB - 8192)
+    result = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "60"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert (gw.bucket / "shard.pt").read_bytes() == want
