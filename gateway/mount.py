@@ -9,8 +9,10 @@ while no LMDB environment is ever carried across a ``fork``.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -45,16 +47,41 @@ log = logging.getLogger("ckptfs.mount")
 READ_AHEAD_KB = 4096
 
 
+_MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, \ as \ooo
+
+
+def mount_device(mountpoint: str) -> str | None:
+    """``MAJ:MIN`` of the filesystem mounted at ``mountpoint``, from /proc/self/mountinfo.
+
+    Not from ``stat(mountpoint)``: on our own mount that is a FUSE request this process must
+    answer, and at unmount it would wait for a main loop that has already stopped."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    device = None
+    for line in lines:
+        fields = line.split()
+        # mount ID, parent ID, MAJ:MIN, root, mount point (octal escapes for spaces etc.)
+        if len(fields) > 4 and _MOUNTINFO_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4]) == mountpoint:
+            device = fields[2]  # the last one listed is the one on top
+    return device
+
+
 def raise_read_ahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
     """Set the mount's read-ahead (``/sys/class/bdi/MAJ:MIN/read_ahead_kb``). Only after INIT:
-    the kernel caps it there at what it had offered. Best effort (it needs root); blocking
-    (it stats the mount, which this process serves): call it from a worker thread."""
+    the kernel caps it there at what it had offered. Best effort (it needs root)."""
+    device = mount_device(mountpoint)
+    if device is None:
+        log.warning("read-ahead of %s stays at the kernel's default: not in /proc/self/mountinfo", mountpoint)
+        return
     try:
-        st = os.stat(mountpoint)
-        with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb", "w") as f:
+        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
             f.write(str(kb))
     except OSError as exc:
         log.warning("read-ahead of %s stays at the kernel's default: %s", mountpoint, exc)
+
 
 class NotOnMount(Exception):
     """A path the user named is not on a ckptfs mount."""
@@ -287,7 +314,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         log.info("data path: %s (%s)", mode, data_path_why if mode == data_path else "not granted at INIT")
         record_data_path(mode)
         # runs once INIT's reply is in (this handler returns first)
-        trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, raise_read_ahead, mountpoint)
+        trio.lowlevel.spawn_system_task(functools.partial(trio.to_thread.run_sync, raise_read_ahead, mountpoint, abandon_on_cancel=True))
 
     ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init)
     if data_path == "passthrough":
