@@ -427,7 +427,9 @@ class Drain:
         if any(k in self.deleting_keys or k in self.busy_keys for k in job.keys):
             return  # a delete of, or another write to, this name is in flight; next round
         if job.held_open:
-            return  # the release restarts its settle window; the scan then sees no writer
+            # The release restarts its settle window; the scan then sees no writer.
+            log.info("%s: opened for writing since it was chosen; left queued", job.keys[0])
+            return
         self.busy_keys.update(job.keys)
         started = time.monotonic()
         try:
