@@ -113,6 +113,9 @@ class FileJob:
     # abort after this upload failed): its tombstone keeps that job at the commit.
     unknown_uploads_left: bool = False
     rdev: int = 0
+    # A writer opened it after the scan chose it: its size in fsmeta may predate bytes already
+    # written (persisted at close), under a generation no later write bumps. Left queued.
+    held_open: bool = False
 
 
 @dataclass
@@ -411,6 +414,9 @@ class Drain:
             txn.get_upload(ino), pending.reason, prior_attempt,
             special=not (inode.is_reg or inode.is_dir or inode.is_symlink), rdev=inode.rdev,
             unknown_uploads_left=prior_attempt,
+            # Read with the inode, in this transaction: the scan's count may be stale.
+            held_open=(not pending.urgent and txn.writer_count(ino) > 0
+                       and self.cache.gateway_pid() is not None),
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:
@@ -420,6 +426,10 @@ class Drain:
             return
         if any(k in self.deleting_keys or k in self.busy_keys for k in job.keys):
             return  # a delete of, or another write to, this name is in flight; next round
+        if job.held_open:
+            # The release restarts its settle window; the scan then sees no writer.
+            log.info("%s: opened for writing since it was chosen; left queued", job.keys[0])
+            return
         self.busy_keys.update(job.keys)
         started = time.monotonic()
         try:

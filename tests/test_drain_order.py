@@ -137,6 +137,40 @@ def test_open_writer_holds_a_file_back_until_release(denv):
         os.close(lock_fd)
 
 
+def test_a_writer_that_opens_between_the_scan_and_the_upload_holds_the_file_back(denv):
+    """The scan saw a closed, settled file; before its job was loaded a writer reopened it with
+    O_TRUNC and wrote (the size in fsmeta stays 0 until close). The drain must not upload that
+    generation as empty: the object ends as the rewrite."""
+    lock_fd = locks.acquire(CacheDir(denv.cache).gateway_lock)  # a live gateway: writers count
+    try:
+        ino = denv.write_file("f.bin", b"first version")
+        handles = []
+
+        def setup(d):
+            reconcile = d._reconcile_file
+
+            async def reopened_after_the_scan(cand):
+                if cand.ino != ino or handles:
+                    return await reconcile(cand)
+
+                def rewrite():
+                    fh = denv.core.open(ino, os.O_WRONLY | os.O_TRUNC)
+                    denv.core.write(fh, 0, b"second version")
+                    return fh
+
+                handles.append(await trio.to_thread.run_sync(rewrite))
+                await reconcile(cand)
+                await trio.to_thread.run_sync(denv.core.release, handles[0])
+
+            d._reconcile_file = reopened_after_the_scan
+
+        denv.drain(setup=setup)
+        assert handles
+        assert denv.object_bytes("f.bin") == b"second version"
+    finally:
+        os.close(lock_fd)
+
+
 def test_fsync_remote_urgent_flag_lets_an_open_file_through(denv):
     lock_fd = locks.acquire(CacheDir(denv.cache).gateway_lock)
     try:
