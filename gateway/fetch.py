@@ -151,9 +151,14 @@ class Fetcher:
 
     def acquire(self, inode: Inode) -> RemoteFile:
         """The fetch state of a REMOTE inode (shared by every user until dropped)."""
+        with self._state.meta.read() as txn:
+            record = txn.get_remote(inode.ino)
         with self._lock:
             rf = self._files.get(inode.ino)
-            if rf is not None and (rf.error is not None or rf.generation != inode.generation):
+            # A drained rename or chmod moves the object (new key, and on S3 maybe a new ETag):
+            # what an idle fetch holds was read from the old one, and its GETs would fail.
+            moved = record is None or rf is not None and (rf.key, rf.record_etag) != (record.key, record.etag)
+            if rf is not None and (rf.error is not None or rf.generation != inode.generation or moved):
                 self._drop(rf, empty=rf.error is not None)
                 rf = None
             if rf is not None:

@@ -1,0 +1,102 @@
+"""Read-path defects (remote objects, renames, evictions), each as plain code.
+
+Found by (or written while extending) tests/test_model_drain.py's read-path rules.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import blake3
+import trio
+from test_core_remote_names import Node
+from test_drain_support import MiB
+
+from ckptfs.drain.filestore import FileStore
+from ckptfs.drain.store import PutResult
+from ckptfs.drain.worker import object_metadata
+
+
+class S3CopyStore(FileStore):
+    """A ``file://`` bucket whose server-side copies behave as S3's CopyObject does: the copy
+    of an object uploaded in parts is a new single-part object with a new ETag (the file
+    store keeps the source's)."""
+
+    async def copy(self, src_key, dst_key, metadata=None, *, storage_class=None, if_match=None):
+        result = await super().copy(src_key, dst_key, metadata, storage_class=storage_class, if_match=if_match)
+        if "-" not in result.etag:
+            return result  # a single-part object keeps its ETag (the MD5 of its content)
+        info = await self.head(dst_key)
+        content = await self.get_range(dst_key, 0, info.size)
+        put = await self.put_object(dst_key, content, info.metadata)
+        assert put.etag != result.etag
+        return PutResult(put.etag)
+
+
+def put_multipart(bucket, key: str, data: bytes, scratch) -> None:
+    """``key`` uploaded in parts (5 MiB and the rest), with the metadata our drain writes."""
+    async def upload():
+        async with FileStore(str(bucket)) as store:
+            up = await store.create_multipart(key, object_metadata(
+                stat.S_IFREG | 0o644, 0, 0, 1_700_000_000 * 10**9, blake3=blake3.blake3(data).hexdigest()))
+            scratch.write_bytes(data)
+            parts = [await store.upload_part(key, up, 1, str(scratch), 0, 5 * MiB),
+                     await store.upload_part(key, up, 2, str(scratch), 5 * MiB, len(data) - 5 * MiB)]
+            await store.complete_multipart(key, up, parts)
+
+    trio.run(upload)
+
+
+def read_all(node: Node, path: str) -> bytes:
+    attr = node.walk(path)
+    fh = node.core.open(attr.ino, os.O_RDONLY)
+    try:
+        return node.core.read(fh, 0, attr.size + 1)
+    finally:
+        node.core.release(fh)
+
+
+def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(tmp_path):
+    """A remote file (uploaded in parts by another node) renamed here is moved by a
+    server-side copy, which S3 answers with a new ETag; the file must read back at once,
+    not fail with ESTALE because fsmeta kept the old object's ETag."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    node = Node(tmp_path / "cache", bucket)
+    try:
+        data = os.urandom(5 * MiB + 4096)
+        put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
+        parent = node.walk("ckpt").ino
+        node.walk("ckpt/big")
+        node.core.rename(parent, b"big", parent, b"moved")
+        node.drain(S3CopyStore)
+        assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
+        assert read_all(node, "ckpt/moved") == data  # within the TTL: no listing corrects it
+        assert node.problems() == []
+    finally:
+        node.close()
+
+
+def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(tmp_path):
+    """A range read leaves the file partly fetched (the fetcher keeps it); after a rename the
+    drain copies the object to the new key (new ETag) and deletes the old one: the rest of
+    the file must come from the new object."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    node = Node(tmp_path / "cache", bucket)
+    try:
+        data = os.urandom(5 * MiB + 4096)
+        put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
+        ino = node.walk("ckpt/big").ino
+        fh = node.core.open(ino, os.O_RDONLY)
+        assert node.core.read(fh, 5 * MiB, 100) == data[5 * MiB:5 * MiB + 100]
+        node.core.release(fh)
+        parent = node.walk("ckpt").ino
+        node.core.rename(parent, b"big", parent, b"moved")
+        node.drain(S3CopyStore)
+        assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
+        assert read_all(node, "ckpt/moved") == data
+        assert node.problems() == []
+    finally:
+        node.close()
