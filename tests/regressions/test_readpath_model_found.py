@@ -9,6 +9,7 @@ import os
 import stat
 
 import blake3
+import pytest
 import trio
 from test_core_remote_names import Node
 from test_drain_support import MiB
@@ -34,6 +35,20 @@ class S3CopyStore(FileStore):
         return PutResult(put.etag)
 
 
+@pytest.fixture
+def bucket(tmp_path):
+    root = tmp_path / "bucket"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def node(tmp_path, bucket):
+    n = Node(tmp_path / "cache", bucket)
+    yield n
+    n.close()
+
+
 def put_multipart(bucket, key: str, data: bytes, scratch) -> None:
     """``key`` uploaded in parts (5 MiB and the rest), with the metadata our drain writes."""
     async def upload():
@@ -57,46 +72,53 @@ def read_all(node: Node, path: str) -> bytes:
         node.core.release(fh)
 
 
-def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(tmp_path):
+def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(node, bucket, tmp_path):
     """A remote file (uploaded in parts by another node) renamed here is moved by a
     server-side copy, which S3 answers with a new ETag; the file must read back at once,
     not fail with ESTALE because fsmeta kept the old object's ETag."""
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    node = Node(tmp_path / "cache", bucket)
-    try:
-        data = os.urandom(5 * MiB + 4096)
-        put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
-        parent = node.walk("ckpt").ino
-        node.walk("ckpt/big")
-        node.core.rename(parent, b"big", parent, b"moved")
-        node.drain(S3CopyStore)
-        assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
-        assert read_all(node, "ckpt/moved") == data  # within the TTL: no listing corrects it
-        assert node.problems() == []
-    finally:
-        node.close()
+    data = os.urandom(5 * MiB + 4096)
+    put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
+    parent = node.walk("ckpt").ino
+    node.walk("ckpt/big")
+    node.core.rename(parent, b"big", parent, b"moved")
+    node.drain(S3CopyStore)
+    assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
+    assert read_all(node, "ckpt/moved") == data  # within the TTL: no listing corrects it
+    assert node.problems() == []
 
 
-def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(tmp_path):
+def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(node, bucket, tmp_path):
     """A range read leaves the file partly fetched (the fetcher keeps it); after a rename the
     drain copies the object to the new key (new ETag) and deletes the old one: the rest of
     the file must come from the new object."""
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    node = Node(tmp_path / "cache", bucket)
-    try:
-        data = os.urandom(5 * MiB + 4096)
-        put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
-        ino = node.walk("ckpt/big").ino
-        fh = node.core.open(ino, os.O_RDONLY)
-        assert node.core.read(fh, 5 * MiB, 100) == data[5 * MiB:5 * MiB + 100]
-        node.core.release(fh)
-        parent = node.walk("ckpt").ino
-        node.core.rename(parent, b"big", parent, b"moved")
-        node.drain(S3CopyStore)
-        assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
-        assert read_all(node, "ckpt/moved") == data
-        assert node.problems() == []
-    finally:
-        node.close()
+    data = os.urandom(5 * MiB + 4096)
+    put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
+    ino = node.walk("ckpt/big").ino
+    fh = node.core.open(ino, os.O_RDONLY)
+    assert node.core.read(fh, 5 * MiB, 100) == data[5 * MiB:5 * MiB + 100]
+    node.core.release(fh)
+    parent = node.walk("ckpt").ino
+    node.core.rename(parent, b"big", parent, b"moved")
+    node.drain(S3CopyStore)
+    assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
+    assert read_all(node, "ckpt/moved") == data
+    assert node.problems() == []
+
+
+def test_an_open_reader_reads_on_after_its_files_rename_is_drained(node, bucket, tmp_path):
+    """A remote file open for reading is renamed here and the drain moves its object (copy to
+    the new key, new ETag on S3, delete of the old key): the reader goes on reading its
+    file, as on any filesystem, instead of failing with EIO (the object it fetched from is
+    gone)."""
+    data = os.urandom(5 * MiB + 4096)
+    put_multipart(bucket, "ckpt/big", data, tmp_path / "src")
+    fh = node.core.open(node.walk("ckpt/big").ino, os.O_RDONLY)
+    assert node.core.read(fh, 0, 100) == data[:100]
+    parent = node.walk("ckpt").ino
+    node.core.rename(parent, b"big", parent, b"moved")
+    node.drain(S3CopyStore)
+    assert [o.key for o in node.bucket.list("ckpt/").objects] == ["ckpt/moved"]
+    assert node.core.read(fh, 5 * MiB, 4096) == data[5 * MiB:]  # not fetched before the move
+    node.core.release(fh)
+    assert read_all(node, "ckpt/moved") == data
+    assert node.problems() == []
