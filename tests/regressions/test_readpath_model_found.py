@@ -9,9 +9,8 @@ import os
 import stat
 
 import blake3
-import pytest
 import trio
-from test_core_remote_names import Node
+from test_core_remote_names import Node, bucket, fast_drain, node  # noqa: F401 - its fixtures
 from test_drain_support import MiB
 
 from ckptfs.drain.filestore import FileStore
@@ -33,20 +32,6 @@ class S3CopyStore(FileStore):
         put = await self.put_object(dst_key, content, info.metadata)
         assert put.etag != result.etag
         return PutResult(put.etag)
-
-
-@pytest.fixture
-def bucket(tmp_path):
-    root = tmp_path / "bucket"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def node(tmp_path, bucket):
-    n = Node(tmp_path / "cache", bucket)
-    yield n
-    n.close()
 
 
 def put_multipart(bucket, key: str, data: bytes, scratch) -> None:
