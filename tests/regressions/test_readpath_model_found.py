@@ -34,10 +34,10 @@ class S3CopyStore(FileStore):
         return PutResult(put.etag)
 
 
-def put_multipart(bucket, key: str, data: bytes, scratch) -> None:
+def put_multipart(bucket_root, key: str, data: bytes, scratch) -> None:
     """``key`` uploaded in parts (5 MiB and the rest), with the metadata our drain writes."""
     async def upload():
-        async with FileStore(str(bucket)) as store:
+        async with FileStore(str(bucket_root)) as store:
             up = await store.create_multipart(key, object_metadata(
                 stat.S_IFREG | 0o644, 0, 0, 1_700_000_000 * 10**9, blake3=blake3.blake3(data).hexdigest()))
             scratch.write_bytes(data)
@@ -48,16 +48,16 @@ def put_multipart(bucket, key: str, data: bytes, scratch) -> None:
     trio.run(upload)
 
 
-def read_all(node: Node, path: str) -> bytes:
-    attr = node.walk(path)
-    fh = node.core.open(attr.ino, os.O_RDONLY)
+def read_all(reader: Node, path: str) -> bytes:
+    attr = reader.walk(path)
+    fh = reader.core.open(attr.ino, os.O_RDONLY)
     try:
-        return node.core.read(fh, 0, attr.size + 1)
+        return reader.core.read(fh, 0, attr.size + 1)
     finally:
-        node.core.release(fh)
+        reader.core.release(fh)
 
 
-def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(node, bucket, tmp_path):
+def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(node, bucket, tmp_path):  # noqa: F811
     """A remote file (uploaded in parts by another node) renamed here is moved by a
     server-side copy, which S3 answers with a new ETag; the file must read back at once,
     not fail with ESTALE because fsmeta kept the old object's ETag."""
@@ -72,7 +72,7 @@ def test_a_renamed_remote_file_reads_after_its_copy_got_a_new_etag(node, bucket,
     assert node.problems() == []
 
 
-def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(node, bucket, tmp_path):
+def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(node, bucket, tmp_path):  # noqa: F811
     """A range read leaves the file partly fetched (the fetcher keeps it); after a rename the
     drain copies the object to the new key (new ETag) and deletes the old one: the rest of
     the file must come from the new object."""
@@ -90,7 +90,7 @@ def test_a_partly_read_remote_file_reads_on_after_its_rename_is_drained(node, bu
     assert node.problems() == []
 
 
-def test_an_open_reader_reads_on_after_its_files_rename_is_drained(node, bucket, tmp_path):
+def test_an_open_reader_reads_on_after_its_files_rename_is_drained(node, bucket, tmp_path):  # noqa: F811
     """A remote file open for reading is renamed here and the drain moves its object (copy to
     the new key, new ETag on S3, delete of the old key): the reader goes on reading its
     file, as on any filesystem, instead of failing with EIO (the object it fetched from is
