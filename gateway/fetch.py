@@ -343,6 +343,7 @@ class Fetcher:
 
     def check(self, rf: RemoteFile) -> None:
         """For close (flush): the file's error, after its check if the whole object is here."""
+        self._verify_if_due(rf)  # an empty object is whole without any read: nobody else checks it
         self.wait_checked(rf)
 
     def _verify_if_due(self, rf: RemoteFile) -> None:

@@ -26,7 +26,6 @@ import errno
 import os
 import stat
 import time
-from dataclasses import dataclass
 
 import blake3
 import pytest
@@ -73,6 +72,9 @@ MARKER = ".metadata"
 # another node writes into the bucket, the cache evicts.
 TTL = 2.0
 FOREIGN = {"uid": 1234, "gid": 5678, "mode": stat.S_IFREG | 0o640}  # what another node's drain writes
+# Another node writes below the top directories: names local steps make too (a-d), and names
+# only it makes (e, f: local steps reach those only through the directory's rename or rmdir).
+FOREIGN_PATHS = st.tuples(st.sampled_from(NAMES), st.sampled_from([*NAMES, "e", "f"])).map("/".join)
 RANGES = st.sampled_from([(0, None), (0, 10), (3, 50), (PART - 5, 100)])  # (offset, size; None: to the end)
 
 # What the read-path rules did, over the whole run (printed at the end: with -s, a hunt shows
@@ -142,15 +144,13 @@ class FaultyStore(RecStore):
         return await super()._call(op, key, extra, fn)
 
 
-@dataclass
 class Reader:
     """A handle open for reading across steps, and the bytes it must read."""
 
-    fh: int
-    ino: int
-    content: bytes
-    key: str | None  # the object it reads from (a REMOTE file), else None
-    may_fail: bool = False  # another node replaced or deleted that object since the open
+    def __init__(self, fh: int, ino: int, content: bytes, key: str | None):
+        self.fh, self.ino, self.content = fh, ino, content
+        self.key = key  # the object it reads from (a REMOTE file), else None
+        self.may_fail = False  # another node replaced or deleted that object since the open
 
 
 class DrainModel(RuleBasedStateMachine):
@@ -271,7 +271,13 @@ class DrainModel(RuleBasedStateMachine):
 
     def read_objects(self, keys: list[str]) -> dict[str, bytes]:
         bucket = self.env.bucket
-        return {k: (b"" if k.endswith("/") else (bucket / k).read_bytes()) for k in keys}
+        out = {}
+        for k in keys:
+            try:
+                out[k] = b"" if k.endswith("/") else (bucket / k).read_bytes()
+            except FileNotFoundError:
+                continue  # deleted since the listing (the drain runs two requests at once)
+        return out
 
     def projection(self) -> dict[str, tuple[bytes | None, int, int, int]]:
         """key -> (content or None for a directory marker, mode, uid, gid) of the namespace."""
@@ -330,11 +336,28 @@ class DrainModel(RuleBasedStateMachine):
         if ino is not None:
             self.fs(self.core.setattr, ino, SetattrRequest(mode=mode))
 
+    def may_close_a_cycle(self, flags: int, *paths: str) -> bool:
+        """Constraint for an open defect (tests/regressions/test_readpath_model_found.py::
+        test_two_evicted_files_exchanged_reach_the_bucket): a rename cycle of files the cache
+        does not hold never drains. No exchange, and no rename while moves are pending, of
+        names with such files at or below them."""
+        with self.env.meta.read() as txn:
+            if flags != RENAME_EXCHANGE and next(iter(txn.iter_pending()), None) is None:
+                return False
+            for path in paths:
+                ino = txn.resolve(path.encode())
+                if ino is None:
+                    continue
+                inos = [ino, *(child for _, child in txn.iter_subtree(ino))] if txn.get_inode(ino).is_dir else [ino]
+                if any(txn.get_inode(i).state == FileState.REMOTE for i in inos):
+                    return True
+        return False
+
     @rule(old=PATHS, new=PATHS, flags=RENAME_FLAGS)
     def rename(self, old, new, flags):
         op, on = self.parent_and_name(old)
         np_, nn = self.parent_and_name(new)
-        if op is None or np_ is None:
+        if op is None or np_ is None or self.may_close_a_cycle(flags, old, new):
             return
         self.fs(self.core.rename, op, on, np_, nn, flags)
 
@@ -354,6 +377,8 @@ class DrainModel(RuleBasedStateMachine):
 
     @rule(old=DIR_PATHS, new=DIR_PATHS, flags=RENAME_FLAGS)
     def rename_dir(self, old, new, flags):
+        if self.may_close_a_cycle(flags, old, new):
+            return
         self.fs(self.core.rename, ROOT_INO, old.encode(), ROOT_INO, new.encode(), flags)
 
     @rule(path=DIR_PATHS)
@@ -385,6 +410,8 @@ class DrainModel(RuleBasedStateMachine):
 
     @rule(old=st.sampled_from(CHECKPOINTS), new=st.sampled_from(CHECKPOINTS), flags=RENAME_FLAGS)
     def rename_checkpoint(self, old, new, flags):
+        if self.may_close_a_cycle(flags, old, new):
+            return
         self.fs(self.core.rename, ROOT_INO, old.encode(), ROOT_INO, new.encode(), flags)
 
     # -- the drain, the store, crashes -------------------------------------------------------
@@ -505,6 +532,11 @@ class DrainModel(RuleBasedStateMachine):
             assert got == want, f"read {path} [{offset}, +{size}): {len(got)} bytes, not the content ({key=})"
         return expected
 
+    def is_dir(self, ino: int) -> bool:
+        with self.env.meta.read() as txn:
+            inode = txn.get_inode(ino)
+        return inode is not None and inode.is_dir
+
     def is_reg(self, ino: int) -> bool:
         with self.env.meta.read() as txn:
             inode = txn.get_inode(ino)
@@ -522,14 +554,22 @@ class DrainModel(RuleBasedStateMachine):
             ino = txn.resolve(key.encode())
             return ino is not None and txn.get_inode(ino).is_dir
 
-    @rule(path=PATHS, data=SMALL | SMALL | BIG, with_metadata=st.booleans())
+    @rule(path=FOREIGN_PATHS, data=SMALL | SMALL | BIG, with_metadata=st.booleans())
     def other_node_writes(self, path, data, with_metadata):
-        """Another node's drain (metadata and blake3) or another tool (none) puts ``path``,
-        new or over what is there (a new ETag)."""
+        """Another node's drain (metadata and blake3) or another tool (none) puts ``path``:
+        new, or over what is there (a new ETag), or where a local file of that name is.
+
+        Only below a directory (or where one can be), and only a name no local step makes
+        (or one a local file has now): a file:// bucket cannot hold "a" and "a/b" at once (S3 can), so a
+        name that one side makes a file and the other a directory would stop the drain."""
+        directory, name = path.split("/")
+        local_dir = self.ino(directory)
+        local_file = self.ino(path)
+        if (local_dir is not None and not self.is_dir(local_dir)) or (
+                name in NAMES and (local_file is None or not self.is_reg(local_file))):
+            return
         keys = self.env.listing()
         if any(k.startswith(path + "/") or path.startswith(k.rstrip("/") + "/") for k in keys):
-            return  # a file over a directory of objects (or below a file): not a checkpoint's shape
-        if self.shape_conflict(path):
             return
         metadata = object_metadata(FOREIGN["mode"], FOREIGN["uid"], FOREIGN["gid"], time.time_ns(),
                                    blake3=h(data)) if with_metadata else {}
@@ -546,7 +586,7 @@ class DrainModel(RuleBasedStateMachine):
             # cannot, and the drain would retry that upload for ever).
             self.ttl_passes()
 
-    @rule(path=PATHS)
+    @rule(path=FOREIGN_PATHS)
     def other_node_deletes(self, path):
         if self.bucket_client.head(path) is not None:
             self.bucket_client.call(lambda store: store.delete(path))
@@ -575,16 +615,26 @@ class DrainModel(RuleBasedStateMachine):
             finally:
                 self.core.releasedir(fh)
 
-    @rule(path=PATHS, where=RANGES)
-    def read(self, path, where):
+    def pick_file(self, pick: int) -> str | None:
+        """One of the namespace's regular files (the steps below reach every file, also those
+        other nodes or the checkpoints made, not only the names PATHS draws)."""
+        with self.env.meta.read() as txn:
+            files = sorted(rel.decode() for rel, ino in txn.iter_subtree(ROOT_INO) if txn.get_inode(ino).is_reg)
+        return files[pick % len(files)] if files else None
+
+    @rule(pick=st.integers(0, 99), where=RANGES)
+    def read(self, pick, where):
         """A whole-file or ranged read (of a remote file: fetched from the bucket)."""
-        self.check_read(path, *where)
+        path = self.pick_file(pick)
+        if path is not None:
+            self.check_read(path, *where)
 
     @precondition(lambda self: len(self.readers) < 2)
-    @rule(path=PATHS)
-    def open_reader(self, path):
-        ino = self.ino(path)
-        if ino is None or not self.is_reg(ino):
+    @rule(pick=st.integers(0, 99))
+    def open_reader(self, pick):
+        path = self.pick_file(pick)
+        ino = self.ino(path) if path is not None else None
+        if ino is None:
             return
         content, key = self.expected_content(ino)
         if content is None:
@@ -615,17 +665,18 @@ class DrainModel(RuleBasedStateMachine):
     def reader_closes(self, i):
         self.close_reader(self.readers[i % len(self.readers)])
 
-    @rule(path=PATHS)
-    def evict(self, path):
-        """The cache evicts ``path`` now (as above its high watermark): only a clean file
+    @rule(pick=st.integers(0, 99))
+    def evict(self, pick):
+        """The cache evicts a file now (as above its high watermark): only a clean file
         nobody has open goes, and it reads back the same bytes, from the bucket."""
-        ino = self.ino(path)
-        if ino is None or not self.is_reg(ino):
+        path = self.pick_file(pick)
+        ino = self.ino(path) if path is not None else None
+        if ino is None:
             return
         before, _ = self.expected_content(ino)
         with self.env.meta.read() as txn:
             was = txn.get_inode(ino).state
-        self.core.space._evict_batch([ino])
+        self.core.evict(ino)  # user.ckptfs.evict
         with self.env.meta.read() as txn:
             now = txn.get_inode(ino).state
         if now != was and was != FileState.REMOTE:
