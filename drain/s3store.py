@@ -6,10 +6,16 @@ Data path for ``upload_part`` / ``put_object`` of a file (bounded memory):
    caller's hashing pass as a :class:`~ckptfs.drain.localio.PartDigest` (or,
    without one, from a read of the range here first): the header has to precede
    the body, and radosgw 16 rejects aws-chunked trailers;
-2. the body, :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time
-   (``pread`` into ``bytes``, in a worker thread), recomputes the checksum on
-   it and yields it to httpx; it withholds the last chunk if the bytes differ
-   from the digest (the file changed since it was hashed);
+2. an UploadPart body over plain http goes from the cache file to the socket
+   with ``sendfile`` (:class:`_SendfileSender`: a ``before-send`` handler, a
+   worker thread, kept-alive ``http.client`` connections; zero-copy, not
+   re-read here: the server verifies the checksum header, and the uploader
+   compares the file's stat before it completes the upload). Otherwise (TLS,
+   a proxy, PutObject, ``sendfile_parts = False``) the body,
+   :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time (``pread``
+   into ``bytes``, in a worker thread), recomputes the checksum on it and
+   yields it to httpx; it withholds the last chunk if the bytes differ from the
+   digest (the file changed since it was hashed);
 3. the request is signed by :class:`CkptfsS3SigV4Auth`, which takes the
    payload hash from the body (``UNSIGNED-PAYLOAD`` or the precomputed
    SHA-256 hex) instead of letting botocore hash the body on the event loop
@@ -686,13 +692,17 @@ class S3Store(ObjectStore):
     async def upload_part(
         self, key, upload_id, part_number, path, offset, length, *, digest: localio.PartDigest | None = None
     ) -> PartRecord:
-        """Streams the file range (``BODY_CHUNK`` at a time, one read of each byte here).
+        """Sends the file range: with ``sendfile`` over plain http (:class:`_SendfileSender`),
+        else streamed ``BODY_CHUNK`` at a time through httpx (one read of each byte here).
 
         ``digest``: the part's finished :class:`~ckptfs.drain.localio.PartDigest` from the
         caller's hashing pass; without it the range is read once more first to compute it.
-        The body recomputes the checksum on the bytes it sends and fails the request before
-        its last byte if they differ from ``digest`` (the file changed since it was
-        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`."""
+        A streamed body recomputes the checksum on the bytes it sends and fails the request
+        before its last byte if they differ from ``digest`` (the file changed since it was
+        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`. A part sent with
+        sendfile is not re-read: a server that verifies the checksum refuses it
+        (BadDigest, raised as SourceChangedError), and the uploader's stat check before
+        CompleteMultipartUpload catches a change on servers that do not."""
         if not 1 <= part_number <= self.limits.max_parts:
             raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         if length > self.limits.max_part_size:
