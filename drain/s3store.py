@@ -1273,7 +1273,7 @@ class _SendfileSender:
                 conn.sock.settimeout(self._timeout)
             try:
                 status, rheaders, content, keep = self._exchange(conn, method, target, headers, body)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - the connection is closed, the error re-raised
                 conn.close()
                 if reused and isinstance(e, (ConnectionError, http.client.BadStatusLine)):
                     # the server had closed the idle connection: once more on a new one (an

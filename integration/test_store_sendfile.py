@@ -36,6 +36,12 @@ def make_file(tmp_path, size: int):
     return src, data
 
 
+def overwrite(path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
 async def assert_object(st: S3Store, key: str, data: bytes) -> None:
     info = await st.head(key)
     assert info.size == len(data)
@@ -91,9 +97,7 @@ def test_part_changed_since_hashing_is_refused_by_a_server_that_checks_it(s3_ser
     async def main():
         async with store(s3_server, s3_bucket, checksum="md5") as st:
             d = await digest_file(src, len(data), PART, st)
-            with open(src, "r+b") as fh:
-                fh.seek(PART - 3)
-                fh.write(b"xyz")
+            await trio.to_thread.run_sync(overwrite, src, PART - 3, b"xyz")  # the end of part 1
             upload_id = await st.create_multipart("c/x", {"blake3": d.blake3})
             with pytest.raises(localio.SourceChangedError):
                 await st.upload_part("c/x", upload_id, 1, src, 0, PART, digest=d.parts[0])
