@@ -5,6 +5,7 @@ answers, and the https fallback to the streamed body."""
 from __future__ import annotations
 
 import os
+import socket
 
 import blake3
 import pytest
@@ -137,5 +138,25 @@ def test_https_parts_stream_through_httpx(s3_server, s3_bucket, tmp_path):
             res = await upload_file(st, "t/x", src, {}, options=UploadOptions(part_size=PART, concurrency=2))
             assert res.parts == 3 and st._sender.parts_sent == 0
             await assert_object(st, "t/x", data)
+
+    trio.run(main)
+
+
+def test_kept_alive_connection_found_closed_is_replaced_without_an_error(s3_server, s3_bucket, tmp_path):
+    """An idle kept-alive connection may have been closed (S3 drops idle ones after ~20 s):
+    the part goes out on a new connection instead of failing into a retry with back-off."""
+    src, data = make_file(tmp_path, 2 * PART)
+
+    async def main():
+        async with store(s3_server, s3_bucket) as st:
+            upload_id = await st.create_multipart("k/x", {})
+            p1 = await st.upload_part("k/x", upload_id, 1, src, 0, PART)
+            idle = [conn for conns in st._sender._idle.values() for _, conn in conns]
+            assert idle  # radosgw keeps connections alive
+            for conn in idle:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            p2 = await st.upload_part("k/x", upload_id, 2, src, PART, PART)
+            await st.complete_multipart("k/x", upload_id, [p1, p2])
+            assert await st.get_range("k/x", 0, 10**10) == data
 
     trio.run(main)
