@@ -50,12 +50,13 @@ async def assert_object(st: S3Store, key: str, data: bytes) -> None:
     assert await st.get_range(key, 0, 10**10) == data
 
 
-@pytest.mark.parametrize("checksum", ["crc32c", "md5"])
-def test_multipart_upload_with_sendfile_gives_the_file_and_its_blake3(s3_server, s3_bucket, tmp_path, checksum):
+@pytest.mark.parametrize(("checksum", "sign"), [("crc32c", False), ("md5", False), ("crc32c", True)])
+def test_multipart_upload_with_sendfile_gives_the_file_and_its_blake3(s3_server, s3_bucket, tmp_path, checksum, sign):
+    # sign: the SHA-256 of the hashing pass signs each part, which radosgw verifies
     src, data = make_file(tmp_path, 3 * PART + 4321)
 
     async def main():
-        async with store(s3_server, s3_bucket, checksum=checksum) as st:
+        async with store(s3_server, s3_bucket, checksum=checksum, sign_payload=sign) as st:
             res = await upload_file(st, "a/model.pt", src, {}, options=UploadOptions(part_size=PART, concurrency=3))
             assert res.multipart and res.parts == 4
             assert st._sender.parts_sent == 4
