@@ -1,7 +1,9 @@
 """The filesystem core: POSIX semantics over fsmeta and the cache directory.
 
 Synchronous and thread-safe: the FUSE layer calls every method from a worker
-thread (``trio.to_thread``), and tests call it directly, without FUSE.
+thread (``trio.to_thread``), except the ``*_nowait`` ones, which it tries first on its
+trio loop (they read fsmeta without waiting, or raise WouldBlock having changed nothing);
+tests call it directly, without FUSE.
 
 Data of a regular file lives in the sparse cache file ``CACHE/data/<ino hex>``;
 attributes, names and durability state live in fsmeta. :class:`FsCore` is the

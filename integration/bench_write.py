@@ -251,16 +251,19 @@ def gateway_probe(mount: Mount):
     def probe() -> dict[str, float]:
         snap = {f"req:{op}": n for op, n in _metric_samples(mount.metrics_port, "ckptfs_fuse_requests_total").items()}
         snap["cpu"] = _cpu_seconds([mount.pid])
+        snap["cpu_sys"] = _cpu_seconds([mount.pid], system_only=True)
         drain = mount.processes().get("drain")
         snap["drain_cpu"] = _cpu_seconds([drain]) if drain else 0.0
         return snap
     return probe
 
 
-def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, float]]:
-    """(FUSE requests per operation, gateway CPU microseconds per operation, requests by op)."""
+def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, float], float]:
+    """(FUSE requests per operation, gateway CPU microseconds per operation, requests by op,
+    of the CPU the system part in microseconds per operation)."""
     by_op = {k[4:]: v for k, v in delta.items() if k.startswith("req:") and v}
-    return sum(by_op.values()) / ops, delta.get("cpu", 0.0) * 1e6 / ops, by_op
+    return (sum(by_op.values()) / ops, delta.get("cpu", 0.0) * 1e6 / ops, by_op,
+            delta.get("cpu_sys", 0.0) * 1e6 / ops)
 
 
 def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int) -> dict:
@@ -310,13 +313,13 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
         for m in modes:
             for p in META_PHASES:
                 by_op = cost[m][p][-1][2]
-                print(f"  {m} {p}, last round, requests by op: "
+                print(f"  {m} {p}, last round, gateway CPU system us/op {cost[m][p][-1][3]:.0f}, requests by op: "
                       + ", ".join(f"{op} {n:.0f}" for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])))
     finally:
         for m in mounts.values():
             m.stop()
     return {"ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
-                                                   "requests": c[2]} for c in cost[m][p]]
+                                                   "requests": c[2], "gateway_system_cpu_us_per_op": c[3]} for c in cost[m][p]]
                                              for p in META_PHASES} for m in modes}}
 
 
@@ -463,14 +466,14 @@ class Mount:
         self.proc = None
 
 
-def _cpu_seconds(pids) -> float:
-    """User + system CPU time of the processes (0 for those gone)."""
+def _cpu_seconds(pids, *, system_only: bool = False) -> float:
+    """User + system (or only system) CPU time of the processes (0 for those gone)."""
     total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += int(fields[12]) + (0 if system_only else int(fields[11]))
         except (OSError, IndexError, ValueError):
             pass
     return total / os.sysconf("SC_CLK_TCK")
