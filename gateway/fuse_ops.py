@@ -25,7 +25,7 @@ import trio
 from ckptfs.fsmeta import WouldBlock
 
 from . import metrics
-from .core import Attr, Caller, FsCore, SetattrRequest
+from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
 from .errors import FsError
 
 log = logging.getLogger("ckptfs.fuse")
@@ -163,6 +163,17 @@ class CkptOperations(pyfuse3.Operations):
         finally:
             seconds.observe(time.perf_counter() - start)
 
+    def _entry_timeout(self, parent: int, *, dir_fh: int | None = None) -> float:
+        """:meth:`FsCore.entry_timeout` of ``parent`` (or of the directory open as ``dir_fh``).
+        Never raises: the reply it is for must still go out, and pyfuse3 would end its loop."""
+        try:
+            if dir_fh is not None:
+                parent = self.core.handle_inode(dir_fh)
+            return self.core.entry_timeout(parent)
+        except Exception:
+            log.exception("entry timeout of directory %s failed; using %g s", parent, ENTRY_TIMEOUT_MIN)
+            return ENTRY_TIMEOUT_MIN
+
     # -- names and attributes ---------------------------------------------------------
 
     async def lookup(self, parent_inode, name, ctx=None):
@@ -172,8 +183,8 @@ class CkptOperations(pyfuse3.Operations):
             if exc.errno != errno.ENOENT:
                 raise
             # Kept by the kernel as long as a positive answer would be (see FsCore.entry_timeout).
-            return _negative_entry(self.core.entry_timeout(parent_inode))
-        return _entry(attr, self.core.entry_timeout(parent_inode))
+            return _negative_entry(self._entry_timeout(parent_inode))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def forget(self, inode_list):
         # forget has no reply: errors are logged and counted, never raised to pyfuse3
@@ -207,10 +218,12 @@ class CkptOperations(pyfuse3.Operations):
         return await self._call("readlink", self.core.readlink, inode)
 
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return _entry(await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx)), self.core.entry_timeout(parent_inode))
+        attr = await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return _entry(await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx)), self.core.entry_timeout(parent_inode))
+        attr = await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def unlink(self, parent_inode, name, ctx):
         await self._call("unlink", self.core.unlink, parent_inode, name)
@@ -219,14 +232,15 @@ class CkptOperations(pyfuse3.Operations):
         await self._call("rmdir", self.core.rmdir, parent_inode, name)
 
     async def symlink(self, parent_inode, name, target, ctx):
-        return _entry(await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx)), self.core.entry_timeout(parent_inode))
+        attr = await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         await self._call("rename", self.core.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return _entry(await self._call("link", self.core.link, inode, new_parent_inode, new_name),
-                      self.core.entry_timeout(new_parent_inode))
+        attr = await self._call("link", self.core.link, inode, new_parent_inode, new_name)
+        return _entry(attr, self._entry_timeout(new_parent_inode))
 
     # -- files ---------------------------------------------------------------------------
 
@@ -250,7 +264,7 @@ class CkptOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attr = await self._call("create", self.core.create, parent_inode, name, mode, flags, _caller(ctx))
-        return self._file_info(fh), _entry(attr, self.core.entry_timeout(parent_inode))
+        return self._file_info(fh), _entry(attr, self._entry_timeout(parent_inode))
 
     async def read(self, fh, off, size):
         data = await self._call("read", self.core.read, fh, off, size)
@@ -281,7 +295,7 @@ class CkptOperations(pyfuse3.Operations):
 
     async def readdir(self, fh, start_id, token):
         entries = await self._call("readdir", self.core.readdir, fh, start_id)
-        timeout = self.core.entry_timeout(self.core.handle_inode(fh)) if entries else 0.0
+        timeout = self._entry_timeout(0, dir_fh=fh) if entries else 0.0
         for name, attr, next_id in entries:
             if not pyfuse3.readdir_reply(token, name, _entry(attr, timeout), next_id):
                 break

@@ -48,6 +48,19 @@ def test_a_lookup_miss_is_a_negative_entry_the_kernel_may_keep(core):
     assert counter(metrics.FUSE_ERRORS, "lookup", "ENOENT") == before + 1
 
 
+def test_a_failing_entry_timeout_still_answers_with_the_minimum(core, monkeypatch, caplog):
+    ops = CkptOperations(core)
+
+    def boom(parent):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(core, "entry_timeout", boom)
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
+        entry = run(ops.lookup, ROOT, b"missing", Ctx())
+    assert entry.st_ino == 0 and entry.entry_timeout == 1.0  # the reply still goes out
+    assert any("entry timeout" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 def test_unexpected_exception_becomes_eio_log_and_counter(core, monkeypatch, caplog):
     ops = CkptOperations(core)
 
