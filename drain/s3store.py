@@ -389,6 +389,9 @@ class S3Store(ObjectStore):
     async def aclose(self) -> None:
         ctx, self._client_ctx, self._client = self._client_ctx, None, None
         self._chunk_pool.clear()
+        gets, self._gets = self._gets, None
+        if gets is not None:
+            gets.close()
         if ctx is not None:
             await ctx.__aexit__(None, None, None)
 
@@ -1110,6 +1113,13 @@ class _BlockingGets:
             if pool is None:
                 pool = self._proxied[proxy] = urllib3.ProxyManager(proxy, **self._kw)
             return pool
+
+    def close(self) -> None:
+        """Close the pooled connections (a GET still running closes its own when it ends)."""
+        with self._lock:
+            pools, self._proxied = [self._direct, *self._proxied.values()], {}
+        for pool in pools:
+            pool.clear()
 
     def get_to_file(self, url: str, headers: dict, dest, pos: int) -> tuple[int, int | None]:
         """GET ``url`` into ``dest`` (a path or an fd) from ``pos``; the bytes written and
