@@ -81,6 +81,12 @@ class ReadSettings:
         return cls(int(settings.read_part_size), int(settings.read_max_readahead), int(settings.read_concurrency))
 
 
+def _first_of(states: bytearray, values: tuple[int, ...], start: int, end: int) -> int:
+    """The first index in [start, end) whose state is one of ``values``, else ``end``."""
+    found = [i for i in (states.find(v, start, end) for v in values) if i >= 0]
+    return min(found, default=end)
+
+
 class ReadAhead:
     """One handle's read pattern: how far ahead of it to fetch."""
 
@@ -145,8 +151,7 @@ class RemoteFile:
 
     def _present_run_end(self, b0: int) -> int:
         """The end of the run of present blocks that starts at ``b0``."""
-        ends = [i for i in (self.states.find(s, b0) for s in (ABSENT, FETCHING, FAILED)) if i >= 0]
-        return min(ends, default=self.nblocks)
+        return _first_of(self.states, (ABSENT, FETCHING, FAILED), b0, self.nblocks)
 
 
 class Fetcher:
@@ -378,23 +383,23 @@ class Fetcher:
 
     def _claim(self, rf: RemoteFile, b0: int, b1: int) -> list[tuple[int, int]]:
         """Mark the absent (or failed) blocks of [b0, b1) as being fetched, in runs that are
-        each one GET (at most a part, aligned to the part grid). Call with ``rf.cond``."""
+        each one GET (at most a part, aligned to the part grid). Call with ``rf.cond``.
+        Every READ of a sequential reader passes its whole read-ahead window (up to 4,096
+        blocks) through here: the scans are ``bytearray.find``, not a loop per block."""
         part_blocks = max(1, self.settings.part_size // BLOCK)
         out = []
         states = rf.states
         i = b0
         while i < b1:
-            if states[i] in (ABSENT, FAILED):
-                j = i + 1
-                part = i // part_blocks
-                while j < b1 and states[j] in (ABSENT, FAILED) and j // part_blocks == part:
-                    j += 1
-                states[i:j] = bytes([FETCHING]) * (j - i)
-                rf.inflight += 1
-                out.append((i, j))
-                i = j
-            else:
-                i += 1
+            i = _first_of(states, (ABSENT, FAILED), i, b1)
+            if i >= b1:
+                break
+            j = min(b1, (i // part_blocks + 1) * part_blocks)
+            j = _first_of(states, (FETCHING, PRESENT), i, j)
+            states[i:j] = bytes([FETCHING]) * (j - i)
+            rf.inflight += 1
+            out.append((i, j))
+            i = j
         return out
 
     # -- GETs ------------------------------------------------------------------------------
