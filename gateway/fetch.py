@@ -573,10 +573,11 @@ class Fetcher:
             metrics.INTEGRITY_FAILURES.inc()
             log.error("%s: blake3 of the fetched content is %s, the object says %s: not served",
                       rf.key, digest, rf.blake3)
+            # Recorded before the readers hear of it: whoever gets the EIO then sees the state.
+            self._commit(rf, durability.mark_remote_corrupt)
             with rf.cond:
                 rf.error = FsError(errno.EIO, f"{rf.key}: content does not match its blake3")
                 rf.cond.notify_all()
-            self._commit(rf, durability.mark_remote_corrupt)
             with self._lock:
                 if self._files.get(rf.ino) is rf:
                     self._drop(rf, empty=True)
