@@ -412,6 +412,9 @@ class S3Store(ObjectStore):
         self._chunk_pool.clear()
         if self._sender is not None:
             self._sender.close()
+        gets, self._gets = self._gets, None
+        if gets is not None:
+            gets.close()
         if ctx is not None:
             await ctx.__aexit__(None, None, None)
 
@@ -1139,6 +1142,13 @@ class _BlockingGets:
             if pool is None:
                 pool = self._proxied[proxy] = urllib3.ProxyManager(proxy, **self._kw)
             return pool
+
+    def close(self) -> None:
+        """Close the pooled connections (a GET still running closes its own when it ends)."""
+        with self._lock:
+            pools, self._proxied = [self._direct, *self._proxied.values()], {}
+        for pool in pools:
+            pool.clear()
 
     def get_to_file(self, url: str, headers: dict, dest, pos: int) -> tuple[int, int | None]:
         """GET ``url`` into ``dest`` (a path or an fd) from ``pos``; the bytes written and
