@@ -24,14 +24,14 @@ import trio
 
 from ckptfs.fsmeta import WouldBlock
 
-from . import metrics
+from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
 from .errors import FsError
 
 log = logging.getLogger("ckptfs.fuse")
 
 ATTR_TIMEOUT = 1.0
-CACHE_DIR_XATTR = b"user.ckptfs.cache_dir"
+CACHE_DIR_XATTR = os.fsencode(mountpoint.CACHE_DIR_XATTR)
 
 
 def _caller(ctx) -> Caller:
