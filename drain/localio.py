@@ -137,8 +137,8 @@ class PartDigest:
     streams: the part checksum (base64) and, for signed payloads, the SHA-256 hex.
 
     Fed by the uploader's one hashing pass over the file (the same chunks that feed the
-    whole-file BLAKE3), then :meth:`finish`-ed; the store streams the body afterwards and
-    checks ``checksum`` on the bytes it sends.  ``header=False``: the checksum is only
+    whole-file BLAKE3), then :meth:`finish`-ed; the store sends the body afterwards (with
+    ``sendfile``, or streamed and checked against ``checksum`` on the bytes it sends).  ``header=False``: the checksum is only
     for that local check (the store sends none)."""
 
     __slots__ = ("_ck", "_sha", "algorithm", "checksum", "header", "payload_sha256")

@@ -6,10 +6,16 @@ Data path for ``upload_part`` / ``put_object`` of a file (bounded memory):
    caller's hashing pass as a :class:`~ckptfs.drain.localio.PartDigest` (or,
    without one, from a read of the range here first): the header has to precede
    the body, and radosgw 16 rejects aws-chunked trailers;
-2. the body, :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time
-   (``pread`` into ``bytes``, in a worker thread), recomputes the checksum on
-   it and yields it to httpx; it withholds the last chunk if the bytes differ
-   from the digest (the file changed since it was hashed);
+2. an UploadPart body over plain http goes from the cache file to the socket
+   with ``sendfile`` (:class:`_SendfileSender`: a ``before-send`` handler, a
+   worker thread, kept-alive ``http.client`` connections; zero-copy, not
+   re-read here: the server verifies the checksum header, and the uploader
+   compares the file's stat before it completes the upload). Otherwise (TLS,
+   a proxy, PutObject, ``sendfile_parts = False``) the body,
+   :class:`_FileRangeBody`, reads the range ``BODY_CHUNK`` at a time (``pread``
+   into ``bytes``, in a worker thread), recomputes the checksum on it and
+   yields it to httpx; it withholds the last chunk if the bytes differ from the
+   digest (the file changed since it was hashed);
 3. the request is signed by :class:`CkptfsS3SigV4Auth`, which takes the
    payload hash from the body (``UNSIGNED-PAYLOAD`` or the precomputed
    SHA-256 hex) instead of letting botocore hash the body on the event loop
@@ -34,7 +40,11 @@ import logging
 import os
 import re
 import secrets
+import select
+import socket
 import threading
+import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from xml.etree import ElementTree
 
@@ -42,6 +52,7 @@ import botocore.auth
 import botocore.exceptions
 import trio
 import urllib3
+from aiobotocore.awsrequest import AioAWSResponse
 from aiobotocore.config import AioConfig
 from aiobotocore.httpxsession import HttpxSession
 from aiobotocore.session import AioSession
@@ -167,6 +178,9 @@ class _FileRangeBody:
     the server never gets a complete part that differs from what was hashed.
     """
 
+    #: sent by :class:`_SendfileSender` (zero-copy, no re-check here) where the store allows it
+    sendfile = False
+
     def __init__(self, fd: int, offset: int, length: int, digest):
         self._fd, self._offset, self._length = fd, offset, length
         self._digest = digest
@@ -246,6 +260,10 @@ class S3Store(ObjectStore):
     list_page_size = 1000
     #: the GetObject path (:class:`_BlockingGets`), made on the first GET
     _gets: _BlockingGets | None = None
+    #: UploadPart bodies from the file with ``sendfile`` over plain http (:class:`_SendfileSender`);
+    #: False: every part streams through httpx and is re-checked against its digest
+    sendfile_parts = True
+    _sender: _SendfileSender | None = None
 
     def __init__(
         self,
@@ -379,6 +397,9 @@ class S3Store(ObjectStore):
             ev = client.meta.events
             for op in ("PutObject", "UploadPart"):
                 ev.register_first(f"choose-signer.s3.{op}", _choose_signer, unique_id=f"ckptfs-signer-{op}")
+            if self.sendfile_parts:
+                self._sender = _SendfileSender(self)
+                ev.register_first("before-send.s3.UploadPart", self._sender.before_send, unique_id="ckptfs-sendfile")
             if self.checksum_mode == "md5":
                 # botocore adds a CRC32 header to checksum-required ops; servers
                 # without flexible checksums (radosgw < 18) need Content-MD5.
@@ -389,6 +410,11 @@ class S3Store(ObjectStore):
     async def aclose(self) -> None:
         ctx, self._client_ctx, self._client = self._client_ctx, None, None
         self._chunk_pool.clear()
+        if self._sender is not None:
+            self._sender.close()
+        gets, self._gets = self._gets, None
+        if gets is not None:
+            gets.close()
         if ctx is not None:
             await ctx.__aexit__(None, None, None)
 
@@ -669,13 +695,17 @@ class S3Store(ObjectStore):
     async def upload_part(
         self, key, upload_id, part_number, path, offset, length, *, digest: localio.PartDigest | None = None
     ) -> PartRecord:
-        """Streams the file range (``BODY_CHUNK`` at a time, one read of each byte here).
+        """Sends the file range: with ``sendfile`` over plain http (:class:`_SendfileSender`),
+        else streamed ``BODY_CHUNK`` at a time through httpx (one read of each byte here).
 
         ``digest``: the part's finished :class:`~ckptfs.drain.localio.PartDigest` from the
         caller's hashing pass; without it the range is read once more first to compute it.
-        The body recomputes the checksum on the bytes it sends and fails the request before
-        its last byte if they differ from ``digest`` (the file changed since it was
-        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`."""
+        A streamed body recomputes the checksum on the bytes it sends and fails the request
+        before its last byte if they differ from ``digest`` (the file changed since it was
+        hashed): :class:`~ckptfs.drain.localio.SourceChangedError`. A part sent with
+        sendfile is not re-read: a server that verifies the checksum refuses it
+        (BadDigest, raised as SourceChangedError), and the uploader's stat check before
+        CompleteMultipartUpload catches a change on servers that do not."""
         if not 1 <= part_number <= self.limits.max_parts:
             raise ValueError(f"part number {part_number} out of range 1..{self.limits.max_parts}")
         if length > self.limits.max_part_size:
@@ -688,8 +718,10 @@ class S3Store(ObjectStore):
                 digest = self.new_part_digest()
                 await trio.to_thread.run_sync(self._digest_range, fd, offset, length, digest)
             ck = self._checksum_params(digest)
+            body = _FileRangeBody(fd, offset, length, digest)
+            body.sendfile = self.sendfile_parts
             r = await self._call_streaming(
-                "UploadPart", key, _FileRangeBody(fd, offset, length, digest),
+                "UploadPart", key, body,
                 Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=part_number, **ck,
             )
         finally:
@@ -1111,6 +1143,13 @@ class _BlockingGets:
                 pool = self._proxied[proxy] = urllib3.ProxyManager(proxy, **self._kw)
             return pool
 
+    def close(self) -> None:
+        """Close the pooled connections (a GET still running closes its own when it ends)."""
+        with self._lock:
+            pools, self._proxied = [self._direct, *self._proxied.values()], {}
+        for pool in pools:
+            pool.clear()
+
     def get_to_file(self, url: str, headers: dict, dest, pos: int) -> tuple[int, int | None]:
         """GET ``url`` into ``dest`` (a path or an fd) from ``pos``; the bytes written and
         the response's Content-Length.
@@ -1138,3 +1177,191 @@ class _BlockingGets:
             if not done:
                 r.close()  # the connection is in an unknown state: not back into the pool
             r.release_conn()
+
+
+#: bytes per ``sendfile`` call of a part body (a cancelled upload stops after at most this)
+SENDFILE_BLOCK = 8 * MiB
+#: how long a request with ``Expect: 100-continue`` waits for the server's go-ahead before
+#: sending its body anyway (what urllib3/boto3 do)
+CONTINUE_WAIT = 1.0
+#: an idle kept-alive connection older than this is closed, not reused (S3 closes idle
+#: connections after about 20 s)
+IDLE_REUSE_SECONDS = 15.0
+#: error codes that mean the body the server received does not match the checksum header:
+#: for a part sent with sendfile, the file changed after it was hashed
+_DIGEST_MISMATCH = frozenset({"BadDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"})
+
+
+class _Response:
+    """A finished response's body for :class:`AioAWSResponse` (botocore parses it)."""
+
+    def __init__(self, content: bytes):
+        self._content = content
+
+    async def read(self) -> bytes:
+        return self._content
+
+
+class _SendfileSender:
+    """UploadPart bodies written with ``socket.sendfile`` from the cache file (zero-copy,
+    in a worker thread, on kept-alive blocking ``http.client`` connections) instead of
+    through httpx one chunk per trio thread hop.
+
+    It is a ``before-send`` handler of the aiobotocore client: botocore still serialises,
+    signs (:class:`CkptfsS3SigV4Auth`, ``UNSIGNED-PAYLOAD`` or the precomputed SHA-256)
+    and parses the response, errors included, so :meth:`S3Store._translate` and the
+    retries see what they always saw. Only plain-http endpoints without a proxy:
+    ``sendfile`` cannot write into a TLS socket, and those requests take the httpx path.
+
+    The bytes go from the page cache to the socket without being read by Python, so the
+    body is not re-checked against the hashing pass here: the part checksum header is
+    verified by the server (a mismatch -> :class:`~ckptfs.drain.localio.SourceChangedError`)
+    and the uploader compares the file's stat before and after the upload before it
+    completes it (DESIGN.md, "Uploads")."""
+
+    def __init__(self, store: S3Store):
+        self._connect_timeout = store._connect_timeout
+        self._timeout = store._read_timeout
+        self._idle: dict[tuple[str, int], list[tuple[float, http.client.HTTPConnection]]] = {}
+        self._lock = threading.Lock()
+        self.parts_sent = 0  #: requests whose body went out with sendfile
+
+    @staticmethod
+    def usable_for(url: str) -> bool:
+        return url.startswith("http://") and not ProxyConfiguration().proxy_url_for(url)
+
+    async def before_send(self, request, **kwargs):
+        body = request.body
+        if not (isinstance(body, _FileRangeBody) and body.sendfile and self.usable_for(request.url)):
+            return None  # any other request: aiobotocore sends it
+        status, headers, content = await trio.to_thread.run_sync(
+            self.send, request.method, request.url, list(request.headers.items()), body)
+        if status >= 300 and _error_code(content) in _DIGEST_MISMATCH:
+            body.error = localio.SourceChangedError(
+                f"the server got bytes {body._offset}..{body._offset + body._length} unlike those hashed")
+        return AioAWSResponse(request.url, status, headers, _Response(content))
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for _, conn in conns:
+                conn.close()
+
+    def _take(self, host: str, port: int) -> http.client.HTTPConnection | None:
+        now = time.monotonic()
+        with self._lock:
+            conns = self._idle.get((host, port), [])
+            while conns:
+                since, conn = conns.pop()
+                if now - since < IDLE_REUSE_SECONDS:
+                    return conn
+                conn.close()
+        return None
+
+    def _give_back(self, host: str, port: int, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.setdefault((host, port), []).append((time.monotonic(), conn))
+
+    def send(self, method: str, url: str, headers: list, body: _FileRangeBody) -> tuple[int, list, bytes]:
+        """One request (blocking; worker thread): status, headers and body of the response.
+        A kept-alive connection that turns out closed is replaced once; other connection
+        failures are raised as botocore's exceptions, a short source file as
+        SourceChangedError (also in ``body.error``)."""
+        u = urllib.parse.urlsplit(url)
+        host, port = u.hostname, u.port or 80
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        while True:
+            conn = self._take(host, port)
+            reused = conn is not None
+            if conn is None:
+                conn = http.client.HTTPConnection(host, port, timeout=self._connect_timeout)
+                try:
+                    conn.connect()
+                except OSError as e:
+                    raise botocore.exceptions.EndpointConnectionError(endpoint_url=f"{u.scheme}://{u.netloc}", error=e) from None
+                conn.sock.settimeout(self._timeout)
+            try:
+                status, rheaders, content, keep = self._exchange(conn, method, target, headers, body)
+            except BaseException as e:  # noqa: BLE001 - the connection is closed, the error re-raised
+                conn.close()
+                if reused and isinstance(e, (ConnectionError, http.client.BadStatusLine)):
+                    # the server had closed the idle connection: once more on a new one (an
+                    # UploadPart may be repeated; the part is the file range either way)
+                    continue
+                raise self._as_botocore(e, u) from None
+            self.parts_sent += 1
+            if keep:
+                self._give_back(host, port, conn)
+            else:
+                conn.close()
+            return status, rheaders, content
+
+    def _exchange(self, conn: http.client.HTTPConnection, method, target, headers, body: _FileRangeBody):
+        conn.putrequest(method, target, skip_accept_encoding=True)
+        expect = False
+        for k, v in headers:
+            if k.lower() == "expect":
+                expect = True
+            conn.putheader(k, v)
+        conn.endheaders()
+        if expect and body._length and not self._may_send_body(conn.sock):
+            resp = conn.getresponse()  # refused before the body: the connection is done
+            return resp.status, resp.getheaders(), resp.read(), False
+        sent = 0
+        if body._length:
+            with open(body._fd, "rb", buffering=0, closefd=False) as src:
+                while sent < body._length:
+                    n = conn.sock.sendfile(src, body._offset + sent, min(SENDFILE_BLOCK, body._length - sent))
+                    if n == 0:
+                        body.error = localio.SourceChangedError(
+                            f"file ended at {body._offset + sent} while sending "
+                            f"[{body._offset}, {body._offset + body._length})")
+                        raise body.error
+                    sent += n
+                    trio.from_thread.check_cancelled()
+        resp = conn.getresponse()
+        content = resp.read()
+        return resp.status, resp.getheaders(), content, not resp.will_close
+
+    @staticmethod
+    def _may_send_body(sock) -> bool:
+        """After the headers of an ``Expect: 100-continue`` request: False if the server
+        answered with a final response (an error) instead of ``100 Continue`` (consumed
+        here); True if it said continue or said nothing for ``CONTINUE_WAIT`` seconds."""
+        readable, _, _ = select.select([sock], [], [], CONTINUE_WAIT)
+        if not readable:
+            return True
+        head = sock.recv(4096, socket.MSG_PEEK)
+        if not head:
+            raise http.client.RemoteDisconnected("connection closed before the response")
+        if not re.match(rb"HTTP/1\.[01] 100\b", head):
+            return False
+        end = head.find(b"\r\n\r\n")
+        if end < 0:  # an interim response split over packets (never seen): read it byte-wise
+            tail = b""
+            while not tail.endswith(b"\r\n\r\n"):
+                c = sock.recv(1)
+                if not c:
+                    raise http.client.RemoteDisconnected("connection closed in 100 Continue")
+                tail += c
+            return True
+        sock.recv(end + 4)
+        return True
+
+    def _as_botocore(self, e: BaseException, u) -> BaseException:
+        """A connection-level failure as the exception botocore would raise (for
+        :meth:`S3Store._translate`); the body's own errors and cancellation as they are."""
+        where = f"{u.scheme}://{u.netloc}"
+        if isinstance(e, TimeoutError):
+            return botocore.exceptions.ReadTimeoutError(endpoint_url=where, error=e)
+        if isinstance(e, (ConnectionError, http.client.HTTPException)):
+            return botocore.exceptions.ConnectionClosedError(endpoint_url=f"{where} ({type(e).__name__}: {e})")
+        return e
+
+
+def _error_code(body: bytes) -> str:
+    try:
+        return (ElementTree.fromstring(body).findtext("Code") or "") if body else ""
+    except ElementTree.ParseError:
+        return ""

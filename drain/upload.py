@@ -16,10 +16,12 @@ BLAKE3 and multipart: the hash must be known at CreateMultipartUpload time
 each part's checksum header before its body is sent (radosgw 16 rejects
 aws-chunked trailers).  So one sequential hashing pass (:func:`digest_file`)
 reads each chunk once and feeds it to the whole-file BLAKE3 *and* to its
-part's checksum (:class:`FileDigest`); the parts then stream from the file in
-small chunks (no part-sized buffers), and each part's body re-checks its
-checksum on the bytes it sends, failing the part before its last byte if the
-file changed since it was hashed.  The alternative - upload, then a
+part's checksum (:class:`FileDigest`); the parts then go from the file to the
+socket with ``sendfile`` (plain http), or stream from it in small chunks that
+are re-checked against the checksum (TLS, proxies); no part-sized buffers.
+A file that changed since it was hashed is never completed: the server
+verifies the part checksum where it can, and the file's stat is compared
+before CompleteMultipartUpload (DESIGN.md, "Uploads").  The alternative - upload, then a
 server-side CopyObject onto itself with the metadata - would rewrite the
 whole object on the server (UploadPartCopy beyond 5 GiB), leave a window where
 the object exists without its hash, and change its ETag.  Small files (single

@@ -1,7 +1,9 @@
 """The filesystem core: POSIX semantics over fsmeta and the cache directory.
 
 Synchronous and thread-safe: the FUSE layer calls every method from a worker
-thread (``trio.to_thread``), and tests call it directly, without FUSE.
+thread (``trio.to_thread``), except the ``*_nowait`` ones, which it tries first on its
+trio loop (they read fsmeta without waiting, or raise WouldBlock having changed nothing);
+tests call it directly, without FUSE.
 
 Data of a regular file lives in the sparse cache file ``CACHE/data/<ino hex>``;
 attributes, names and durability state live in fsmeta. :class:`FsCore` is the
@@ -20,6 +22,7 @@ stay here: they are the glue between the parts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, durability
+from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, WouldBlock, durability
 from ckptfs.fsmeta.layout import CacheDir
 
 from . import datapath, recovery
@@ -53,6 +56,10 @@ from .xattrs import (  # noqa: F401
     XATTR_SIZE_MAX,
     Xattrs,
 )
+
+#: The shortest time the kernel may keep an answer about a name (a dentry, positive or
+#: negative): what SEMANTICS.md promises on top of ``[mount] remote_ttl``.
+ENTRY_TIMEOUT_MIN = 1.0
 
 
 @dataclass
@@ -188,16 +195,41 @@ class FsCore:
     def _attr(self, inode: Inode) -> Attr:
         """Attributes as the kernel must see them: an open file's size/times are in memory."""
         with self._state.lock:
-            of = self._open.get(inode.ino)
-            size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
-            if of is not None:
-                if self._state.backing is not None and of.remote is None:
-                    datapath.refresh(of)  # writes went straight to the cache file
-                size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
+            return self._attr_locked(inode, may_stat=True)
+
+    def _attr_locked(self, inode: Inode, *, may_stat: bool) -> Attr:
+        """:meth:`_attr` with ``CoreState.lock`` held. Without ``may_stat``, raise WouldBlock
+        where the cache file would have to be looked at (an open file in passthrough mode)."""
+        of = self._open.get(inode.ino)
+        size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
+        if of is not None:
+            if self._state.backing is not None and of.remote is None:
+                if not may_stat:
+                    raise WouldBlock
+                datapath.refresh(of)  # writes went straight to the cache file
+            size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
             size = len(inode.target)
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, size,
                     inode.atime_ns, mtime, ctime, inode.rdev)
+
+    @contextlib.contextmanager
+    def _state_lock_nowait(self):
+        """``CoreState.lock``, or WouldBlock if another thread holds it (it may be doing I/O)."""
+        if not self._state.lock.acquire(blocking=False):
+            raise WouldBlock
+        try:
+            yield
+        finally:
+            self._state.lock.release()
+
+    def entry_timeout(self, parent: int) -> float:
+        """Seconds the kernel may keep what a reply says about a name in ``parent`` (that it
+        exists, or that it does not): as long as the directory's bucket listing stays fresh,
+        since until then this gateway would answer the same, and at least ENTRY_TIMEOUT_MIN."""
+        if not self.remote.enabled:
+            return ENTRY_TIMEOUT_MIN
+        return max(ENTRY_TIMEOUT_MIN, self.remote.fresh_for_seconds(parent))
 
     # -- lookup, attributes ------------------------------------------------------------
 
@@ -210,21 +242,41 @@ class FsCore:
                 need_dir(txn, parent)
             listed_now = self.remote.refresh(parent)
         with self.meta.read() as txn:
-            parent_inode = need_dir(txn, parent)
-            if name == b".":
-                ino = parent
-            elif name == b"..":
-                ino = parent_inode.parent
-            else:
-                ino = txn.lookup(parent, name)
-            if ino is None:
-                if self.remote.enabled and not listed_now:
-                    self.remote.count_negative_hit()  # the listing younger than the TTL says: none
-                raise FsError(errno.ENOENT)
+            ino = self._lookup_ino(txn, parent, name, listed_now)
             inode = need_inode(txn, ino)
         with self._state.lock:
+            attr = self._attr_locked(inode, may_stat=True)
             self._lookups.count(ino)
-            return self._attr(inode)
+        return attr
+
+    def lookup_nowait(self, parent: int, name: bytes) -> Attr:
+        """:meth:`lookup` for the trio loop: answers from fsmeta, or raises WouldBlock where
+        ``lookup`` would list the bucket (the directory's listing is stale), wait for a lock
+        or look at a cache file. Raising WouldBlock leaves nothing changed."""
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if name not in (b".", b"..") and self.remote.enabled and not self.remote.is_fresh(parent):
+            raise WouldBlock
+        with self.meta.read_nowait() as txn:
+            ino = self._lookup_ino(txn, parent, name, False)
+            inode = need_inode(txn, ino)
+        with self._state_lock_nowait():
+            attr = self._attr_locked(inode, may_stat=False)
+            self._lookups.count(ino)
+        return attr
+
+    def _lookup_ino(self, txn: Txn, parent: int, name: bytes, listed_now: bool) -> int:
+        parent_inode = need_dir(txn, parent)
+        if name == b".":
+            return parent
+        if name == b"..":
+            return parent_inode.parent
+        ino = txn.lookup(parent, name)
+        if ino is None:
+            if self.remote.enabled and not listed_now:
+                self.remote.count_negative_hit()  # the listing younger than the TTL says: none
+            raise FsError(errno.ENOENT)
+        return ino
 
     def count_lookup(self, ino: int) -> None:
         """The FUSE layer handed the kernel a new reference (readdirplus)."""
@@ -233,10 +285,34 @@ class FsCore:
     def forget(self, items: list[tuple[int, int]]) -> None:
         self._lookups.forget(items)
 
+    def forget_nowait(self, items: list[tuple[int, int]]) -> list[int]:
+        """:meth:`forget` for the trio loop: drops the kernel's references and returns the
+        inodes that may need purging (an fsmeta write: :meth:`purge_unreferenced`, in a
+        worker thread). WouldBlock (nothing changed) if the state lock is busy."""
+        with self._state_lock_nowait():
+            candidates = self._lookups.drop(items)
+        # From here on nothing may raise WouldBlock: the references are gone already.
+        try:
+            with self.meta.read_nowait() as txn:
+                return [ino for ino in candidates if (inode := txn.get_inode(ino)) is not None and inode.nlink == 0]
+        except WouldBlock:
+            return candidates  # purge_if_unlinked looks again
+
+    def purge_unreferenced(self, inos: list[int]) -> None:
+        for ino in inos:
+            self._lookups.purge_if_unlinked(ino)
+
     def getattr(self, ino: int) -> Attr:
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
         return self._attr(inode)
+
+    def getattr_nowait(self, ino: int) -> Attr:
+        """:meth:`getattr` for the trio loop, or WouldBlock (see :meth:`lookup_nowait`)."""
+        with self.meta.read_nowait() as txn:
+            inode = need_inode(txn, ino)
+        with self._state_lock_nowait():
+            return self._attr_locked(inode, may_stat=False)
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
         now = self.clock()

@@ -16,7 +16,10 @@ complete, and start-up recovery discards any it finds (``gateway/recovery.py``).
 - **Where the bytes go**: ``ObjectStore.get_to_file`` streams each GET into the cache file
   from worker threads of the bucket client's loop (``gateway/bucket.py``); the bookkeeping and
   the hash below also run in such a worker thread, never in a trio loop.
-- **Integrity**: once every block is present, the cache file is hashed (blake3) and compared
+- **Integrity**: the blake3 of the cache file is computed as its blocks land, over the present
+  prefix in order (:meth:`Fetcher._hash_prefix`: one thread at a time feeds the blocks from the
+  end of what it hashed up to the first block not present yet, read back from the page cache),
+  so once every block is present only the last run is left to hash. The digest is compared
   with the object's ``x-amz-meta-blake3`` (``RemoteRecord.blake3``, else a HEAD). A match:
   the cache file is fdatasync'ed and the inode becomes CACHED_CLEAN
   (``durability.mark_cached_clean``), so later opens take the native data path. A mismatch:
@@ -41,9 +44,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
+from blake3 import blake3 as new_blake3
 
 from ckptfs.drain.store import NotFoundError, PreconditionFailedError, StoreError
-from ckptfs.drain.upload import hash_file_sync
 from ckptfs.fsmeta import FileState, Inode, Txn, durability
 from ckptfs.fsmeta.settings import MIB, Settings
 
@@ -60,6 +63,7 @@ BLOCK = 64 * 1024  # granularity of the present-ranges record (a random 4 KiB re
 INITIAL_READAHEAD = 1 * MIB  # first read-ahead window of a sequential reader
 SEQUENTIAL_SLACK = 256 * 1024  # reads this far behind the last one still count as sequential
 KEEP_IDLE = 256  # partly fetched files kept (with their fd) after their last close
+HASH_CHUNK = 1 * MIB  # bytes read back per blake3 update (blake3 releases the GIL for it)
 
 ABSENT, FETCHING, PRESENT, FAILED = 0, 1, 2, 3
 
@@ -75,6 +79,12 @@ class ReadSettings:
     @classmethod
     def from_settings(cls, settings: Settings) -> ReadSettings:
         return cls(int(settings.read_part_size), int(settings.read_max_readahead), int(settings.read_concurrency))
+
+
+def _first_of(states: bytearray, values: tuple[int, ...], start: int, end: int) -> int:
+    """The first index in [start, end) whose state is one of ``values``, else ``end``."""
+    found = [i for i in (states.find(v, start, end) for v in values) if i >= 0]
+    return min(found, default=end)
 
 
 class ReadAhead:
@@ -125,6 +135,10 @@ class RemoteFile:
         self.last_error: BaseException | None = None  # of the last failed GET
         self.checking = False
         self.verified = False
+        # blake3 of blocks [0, hashed), fed in order as they land (``Fetcher._hash_prefix``)
+        self.hasher = new_blake3() if blake3 else None
+        self.hashed = 0
+        self.hashing = False  # a thread is feeding the hasher
         self.local = False  # detached: the cache file is the file's content now
         self.dropped = False  # out of the registry; the fd closes once unused
 
@@ -134,6 +148,10 @@ class RemoteFile:
 
     def _missing(self, b0: int, b1: int) -> bool:
         return self.states.count(PRESENT, b0, b1) != b1 - b0
+
+    def _present_run_end(self, b0: int) -> int:
+        """The end of the run of present blocks that starts at ``b0``."""
+        return _first_of(self.states, (ABSENT, FETCHING, FAILED), b0, self.nblocks)
 
 
 class Fetcher:
@@ -288,7 +306,7 @@ class Fetcher:
                 a1 = (min(ahead, rf.size) + BLOCK - 1) // BLOCK
                 hit = not rf._missing(b0, b1)
                 requests = self._claim(rf, b0, max(b1, a1))
-            self._submit(rf, requests)
+            self._submit(rf, requests, (b0, b1))
             if not hit:
                 self._wait_present(rf, b0, b1)
             metrics.REMOTE_READ_BYTES.labels("cache" if hit else "bucket").inc(end - offset)
@@ -362,39 +380,62 @@ class Fetcher:
                 if rf.local or not rf._missing(b0, b1):
                     return
                 if rf.states.find(FAILED, b0, b1) >= 0:
+                    if isinstance(rf.last_error, FsError):  # no cache space for it (ENOSPC)
+                        raise rf.last_error
                     raise FsError(errno.EIO, f"{rf.key}: GET failed: {rf.last_error}")
                 rf.cond.wait()
 
     def _claim(self, rf: RemoteFile, b0: int, b1: int) -> list[tuple[int, int]]:
         """Mark the absent (or failed) blocks of [b0, b1) as being fetched, in runs that are
-        each one GET (at most a part, aligned to the part grid). Call with ``rf.cond``."""
+        each one GET (at most a part, aligned to the part grid). Call with ``rf.cond``.
+        Every READ of a sequential reader passes its whole read-ahead window (up to 4,096
+        blocks) through here: the scans are ``bytearray.find``, not a loop per block."""
         part_blocks = max(1, self.settings.part_size // BLOCK)
         out = []
         states = rf.states
         i = b0
         while i < b1:
-            if states[i] in (ABSENT, FAILED):
-                j = i + 1
-                part = i // part_blocks
-                while j < b1 and states[j] in (ABSENT, FAILED) and j // part_blocks == part:
-                    j += 1
-                states[i:j] = bytes([FETCHING]) * (j - i)
-                rf.inflight += 1
-                out.append((i, j))
-                i = j
-            else:
-                i += 1
+            i = _first_of(states, (ABSENT, FAILED), i, b1)
+            if i >= b1:
+                break
+            j = min(b1, (i // part_blocks + 1) * part_blocks)
+            j = _first_of(states, (FETCHING, PRESENT), i, j)
+            states[i:j] = bytes([FETCHING]) * (j - i)
+            rf.inflight += 1
+            out.append((i, j))
+            i = j
         return out
 
     # -- GETs ------------------------------------------------------------------------------
 
-    def _submit(self, rf: RemoteFile, requests: list[tuple[int, int]]) -> None:
+    def _submit(self, rf: RemoteFile, requests: list[tuple[int, int]], needed: tuple[int, int] | None = None) -> None:
+        """Start the GETs of claimed runs. Each reserves its bytes in the cache cap first
+        (``gateway/space.py``): a run that overlaps ``needed`` (None: all are) waits for room
+        (ENOSPC after the backpressure timeout); read-ahead without room is given back."""
+        space = self._state.space
         for b0, b1 in requests:
+            if space is not None:
+                wanted = needed is None or (b0 < needed[1] and needed[0] < b1)
+                try:
+                    if not space.reserve_fetch(min(b1 * BLOCK, rf.size) - b0 * BLOCK, wait=wanted):
+                        self._unclaim(rf, b0, b1)
+                        continue
+                except FsError as exc:  # ENOSPC: the readers of these blocks get it
+                    self._landed(rf, b0, b1, 0, exc, reserved=False)
+                    continue
             try:
                 self._bucket.submit(lambda store, b0=b0, b1=b1: self._get(store, rf, b0, b1))
             except BaseException as exc:
                 self._landed(rf, b0, b1, 0, exc)
                 raise
+
+    @staticmethod
+    def _unclaim(rf: RemoteFile, b0: int, b1: int) -> None:
+        """A claimed run that will not be fetched now after all (read-ahead without room)."""
+        with rf.cond:
+            rf.states[b0:b1] = bytes([ABSENT]) * (b1 - b0)
+            rf.inflight -= 1
+            rf.cond.notify_all()
 
     async def _get(self, store, rf: RemoteFile, b0: int, b1: int) -> None:
         if self._limiter is None:
@@ -421,11 +462,13 @@ class Fetcher:
                 self._landed(rf, b0, b1, 0, FsError(errno.EIO, "bucket client closed"))
 
     def _landed(self, rf: RemoteFile, b0: int, b1: int, n: int, error: BaseException | None,
-                source: tuple[str, str] | None = None) -> None:
-        """A GET (of ``source``: key, etag) finished (a worker thread of the bucket client's loop)."""
+                source: tuple[str, str] | None = None, *, reserved: bool = True) -> None:
+        """A GET (of ``source``: key, etag) finished (a worker thread of the bucket client's
+        loop); ``reserved``: its bytes were reserved in the cache cap."""
         if (isinstance(error, (PreconditionFailedError, NotFoundError)) and source is not None
                 and self._follow_move(rf, source)):
-            self._submit(rf, [(b0, b1)])  # the same blocks, from where the object is now
+            # The same blocks, from where the object is now (its cap reservation carries over).
+            self._bucket.submit(lambda store: self._get(store, rf, b0, b1))
             return
         expected = min(b1 * BLOCK, rf.size) - b0 * BLOCK
         if error is None and n != expected:
@@ -435,15 +478,17 @@ class Fetcher:
             # Start the disk write now, so the fdatasync before the cached-clean commit finds
             # little left to do (as the write path's write-behind does).
             writeback.start_writeback(rf.fd, b0 * BLOCK, n)
-        verify = False
+        if self._state.space is not None and reserved:
+            try:
+                allocated = os.fstat(rf.fd).st_blocks * 512 if n else None
+            except OSError:
+                allocated = None
+            self._state.space.fetch_landed(rf.ino, expected, allocated)
         with rf.cond:
-            rf.inflight -= 1
             if error is None:
                 rf.states[b0:b1] = bytes([PRESENT]) * (b1 - b0)
                 rf.present += b1 - b0
                 metrics.BUCKET_GET_BYTES.inc(n)
-                verify = rf.complete and not rf.checking and not rf.local and rf.error is None
-                rf.checking = rf.checking or verify
             else:
                 rf.states[b0:b1] = bytes([FAILED]) * (b1 - b0)
                 rf.last_error = error
@@ -456,6 +501,19 @@ class Fetcher:
                 else:
                     metrics.FETCH_ERRORS.labels("failed").inc()
                 log.warning("GET %s [%d, %d): %s", rf.key, b0 * BLOCK, b0 * BLOCK + expected, error)
+            rf.cond.notify_all()
+        if error is None:
+            # Still counted in flight: the cache file stays open and nobody cuts it meanwhile.
+            try:
+                self._hash_prefix(rf)
+            except OSError as exc:  # the file has its error (EIO): a later open fetches it again
+                log.error("%s: hashing the fetched prefix failed: %s", rf.key, exc)
+        verify = False
+        with rf.cond:
+            rf.inflight -= 1
+            if error is None:
+                verify = rf.complete and not rf.checking and not rf.local and rf.error is None
+                rf.checking = rf.checking or verify
             rf.cond.notify_all()
         if verify:
             self._verify(rf)
@@ -488,20 +546,74 @@ class Fetcher:
             rf.key, rf.etag, rf.record_etag = record.key, record.etag, record.etag
             return True
 
+    def _hash_prefix(self, rf: RemoteFile, *, to_end: bool = False) -> str:
+        """Feed the hasher the present blocks from where it stopped, in order, up to the first
+        block not present. One thread at a time: another one finding it busy returns at once,
+        unless ``to_end`` (the verify, all blocks present), which waits and hashes what is
+        left. Returns the hex digest once the whole file is hashed, else ""."""
+        if rf.hasher is None:
+            return ""
+        buf = None
+        with rf.cond:
+            while True:
+                if rf.hashing or (not to_end and (rf.local or rf.error is not None)):
+                    if not to_end:
+                        return ""
+                    rf.cond.wait()
+                    continue
+                start = rf.hashed
+                stop = rf._present_run_end(start)
+                if stop == start:
+                    return rf.hasher.hexdigest() if start == rf.nblocks else ""
+                rf.hashing = True
+                try:
+                    rf.cond.release()
+                    try:
+                        if buf is None:
+                            buf = bytearray(HASH_CHUNK)
+                        self._feed(rf, buf, start * BLOCK, min(stop * BLOCK, rf.size))
+                    finally:
+                        rf.cond.acquire()
+                    rf.hashed = stop
+                except OSError as exc:
+                    # The hasher may have taken part of the run: it can never match now.
+                    rf.error = rf.error or FsError(errno.EIO, f"{rf.key}: reading the cache file back failed: {exc}")
+                    raise
+                finally:
+                    rf.hashing = False
+                    rf.cond.notify_all()
+
+    @staticmethod
+    def _feed(rf: RemoteFile, buf: bytearray, pos: int, end: int) -> None:
+        view = memoryview(buf)
+        while pos < end:
+            n = os.preadv(rf.fd, [view[:min(len(buf), end - pos)]], pos)
+            if n <= 0:
+                raise OSError(errno.EIO, f"cache file of inode {rf.ino} ended at {pos} while hashing")
+            rf.hasher.update(view[:n])
+            pos += n
+
     def _verify(self, rf: RemoteFile) -> None:
         """The whole object is in the cache file: check its blake3, then make it cached-clean."""
         if rf.blake3:
-            digest, _ = hash_file_sync(rf.fd, rf.size)
+            try:
+                digest = self._hash_prefix(rf, to_end=True)
+            except OSError as exc:  # the file has its error (EIO): a later open fetches it again
+                log.error("%s: hashing the cache file failed: %s", rf.key, exc)
+                return
         else:
             digest = ""  # written by another tool: nothing to check against
+        if rf.local:
+            return  # truncated or rewritten meanwhile (``detach``): its bytes are the file's own now
         if rf.blake3 and digest != rf.blake3:
             metrics.INTEGRITY_FAILURES.inc()
             log.error("%s: blake3 of the fetched content is %s, the object says %s: not served",
                       rf.key, digest, rf.blake3)
+            # Recorded before the readers hear of it: whoever gets the EIO then sees the state.
+            self._commit(rf, durability.mark_remote_corrupt)
             with rf.cond:
                 rf.error = FsError(errno.EIO, f"{rf.key}: content does not match its blake3")
                 rf.cond.notify_all()
-            self._commit(rf, durability.mark_remote_corrupt)
             with self._lock:
                 if self._files.get(rf.ino) is rf:
                     self._drop(rf, empty=True)

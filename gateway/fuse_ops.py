@@ -3,6 +3,11 @@
 pyfuse3 ends its main loop on any exception that is not ``FUSEError``, so every
 handler goes through :meth:`CkptOperations._call`, which turns an unexpected
 exception into EIO, a log line and a counter.
+
+Requests that only read fsmeta (lookup, getattr, forget's bookkeeping) are first tried on
+the trio loop itself (the core's ``*_nowait`` methods: an LMDB read of mapped pages, no
+lock that another thread may hold while doing I/O); only when that would wait do they take
+the worker-thread hop, which costs several times the request itself (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -17,26 +22,29 @@ import time
 import pyfuse3
 import trio
 
-from . import metrics
-from .core import Attr, Caller, FsCore, SetattrRequest
+from ckptfs.fsmeta import WouldBlock
+
+from . import metrics, mountpoint
+from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
 from .errors import FsError
 
 log = logging.getLogger("ckptfs.fuse")
 
 ATTR_TIMEOUT = 1.0
-ENTRY_TIMEOUT = 1.0
-CACHE_DIR_XATTR = b"user.ckptfs.cache_dir"
+CACHE_DIR_XATTR = os.fsencode(mountpoint.CACHE_DIR_XATTR)
 
 
 def _caller(ctx) -> Caller:
     return Caller(uid=ctx.uid, gid=ctx.gid, umask=ctx.umask, pid=ctx.pid)
 
 
-def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
+def _entry(attr: Attr, entry_timeout: float = 0.0) -> pyfuse3.EntryAttributes:
+    """Attributes for a reply; ``entry_timeout`` only matters in replies about a name (lookup,
+    create, mkdir, ..., readdirplus): how long the kernel may keep the name without asking."""
     entry = pyfuse3.EntryAttributes()
     entry.st_ino = attr.ino
     entry.generation = 0  # inode numbers are never reused
-    entry.entry_timeout = ENTRY_TIMEOUT
+    entry.entry_timeout = entry_timeout
     entry.attr_timeout = ATTR_TIMEOUT
     entry.st_mode = attr.mode
     entry.st_nlink = attr.nlink
@@ -49,6 +57,15 @@ def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
     entry.st_atime_ns = attr.atime_ns
     entry.st_mtime_ns = attr.mtime_ns
     entry.st_ctime_ns = attr.ctime_ns
+    return entry
+
+
+def _negative_entry(entry_timeout: float) -> pyfuse3.EntryAttributes:
+    """A lookup's answer "no such name" that the kernel keeps for ``entry_timeout`` seconds
+    (a negative dentry), instead of asking again at the next lookup of the name."""
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = 0
+    entry.entry_timeout = entry_timeout
     return entry
 
 
@@ -71,10 +88,39 @@ class CkptOperations(pyfuse3.Operations):
         # before pyfuse3.init(); if the kernel does not grant it, the patched pyfuse3 still
         # negotiates the writeback cache (enable_writeback_cache stays True).
         self.on_init = on_init
+        self._metric_children: dict[str, tuple] = {}
 
     def init(self):
         if self.on_init is not None:
             self.on_init()
+
+    def _metrics_of(self, op: str):
+        """The request counter and duration histogram of ``op`` (``labels()`` is a dict lookup
+        under a lock; done once per op, not per request)."""
+        children = self._metric_children.get(op)
+        if children is None:
+            children = self._metric_children[op] = (metrics.FUSE_REQUESTS.labels(op), metrics.FUSE_SECONDS.labels(op))
+        return children
+
+    @staticmethod
+    def _failure(op: str, exc: BaseException) -> pyfuse3.FUSEError:
+        """The errno FUSE answers for what a handler raised, counted (and logged if unexpected)."""
+        if isinstance(exc, pyfuse3.FUSEError):
+            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
+            return exc
+        if isinstance(exc, FsError):
+            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
+            return pyfuse3.FUSEError(exc.errno)
+        if isinstance(exc, OSError):
+            # Cache-device errors (ENOSPC, EIO) are passed through as they are.
+            code = exc.errno or errno.EIO
+            metrics.FUSE_ERRORS.labels(op, _errname(code)).inc()
+            log.warning("%s: cache I/O error: %s", op, exc)
+            return pyfuse3.FUSEError(code)
+        metrics.FUSE_UNEXPECTED.labels(op).inc()
+        metrics.FUSE_ERRORS.labels(op, "EIO").inc()
+        log.error("%s failed unexpectedly; answered EIO", op, exc_info=exc)
+        return pyfuse3.FUSEError(errno.EIO)
 
     @contextlib.asynccontextmanager
     async def _answering(self, op: str):
@@ -82,47 +128,79 @@ class CkptOperations(pyfuse3.Operations):
 
         pyfuse3 handles only FUSEError: anything else would end its main loop.
         """
-        metrics.FUSE_REQUESTS.labels(op).inc()
+        requests, seconds = self._metrics_of(op)
+        requests.inc()
         start = time.perf_counter()
         try:
             yield
-        except pyfuse3.FUSEError as exc:
-            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
-            raise
-        except FsError as exc:
-            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
-            # Cache-device errors (ENOSPC, EIO) are passed through as they are.
-            code = exc.errno or errno.EIO
-            metrics.FUSE_ERRORS.labels(op, _errname(code)).inc()
-            log.warning("%s: cache I/O error: %s", op, exc)
-            raise pyfuse3.FUSEError(code) from None
-        except Exception:
-            metrics.FUSE_UNEXPECTED.labels(op).inc()
-            metrics.FUSE_ERRORS.labels(op, "EIO").inc()
-            log.exception("%s failed unexpectedly; answered EIO", op)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as exc:
+            failure = self._failure(op, exc)
+            if failure is exc:
+                raise
+            raise failure from None
         finally:
-            metrics.FUSE_SECONDS.labels(op).observe(time.perf_counter() - start)
+            seconds.observe(time.perf_counter() - start)
 
-    async def _call(self, op: str, fn, *args):
-        async with self._answering(op):
+    async def _call(self, op: str, fn, *args, nowait=None):
+        """Answer ``op`` with ``fn(*args)`` in a worker thread; with ``nowait``, first try
+        ``nowait(*args)`` on the loop (it raises WouldBlock, changing nothing, when it cannot
+        answer without waiting). Like :meth:`_answering`, without its per-request generator."""
+        requests, seconds = self._metrics_of(op)
+        requests.inc()
+        start = time.perf_counter()
+        try:
+            if nowait is not None:
+                try:
+                    return nowait(*args)
+                except WouldBlock:
+                    pass
             return await trio.to_thread.run_sync(functools.partial(fn, *args))
+        except Exception as exc:
+            failure = self._failure(op, exc)
+            if failure is exc:
+                raise
+            raise failure from None
+        finally:
+            seconds.observe(time.perf_counter() - start)
+
+    def _entry_timeout(self, parent: int, *, dir_fh: int | None = None) -> float:
+        """:meth:`FsCore.entry_timeout` of ``parent`` (or of the directory open as ``dir_fh``).
+        Never raises: the reply it is for must still go out, and pyfuse3 would end its loop."""
+        try:
+            if dir_fh is not None:
+                parent = self.core.handle_inode(dir_fh)
+            return self.core.entry_timeout(parent)
+        except Exception:
+            log.exception("entry timeout of directory %s failed; using %g s", parent, ENTRY_TIMEOUT_MIN)
+            return ENTRY_TIMEOUT_MIN
 
     # -- names and attributes ---------------------------------------------------------
 
     async def lookup(self, parent_inode, name, ctx=None):
-        return _entry(await self._call("lookup", self.core.lookup, parent_inode, name))
+        try:
+            attr = await self._call("lookup", self.core.lookup, parent_inode, name, nowait=self.core.lookup_nowait)
+        except pyfuse3.FUSEError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # Kept by the kernel as long as a positive answer would be (see FsCore.entry_timeout).
+            return _negative_entry(self._entry_timeout(parent_inode))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def forget(self, inode_list):
+        # forget has no reply: errors are logged and counted, never raised to pyfuse3
+        items = list(inode_list)
         try:
-            await self._call("forget", self.core.forget, list(inode_list))
+            purge = await self._call("forget", self.core.forget, items, nowait=self.core.forget_nowait)
         except pyfuse3.FUSEError:
-            pass  # forget has no reply; the error is logged and counted
+            return
+        if purge:  # answered on the loop; dropping unlinked inodes is an fsmeta write
+            try:
+                await trio.to_thread.run_sync(self.core.purge_unreferenced, purge)
+            except Exception as exc:  # noqa: BLE001 - no reply to carry it: logged and counted
+                self._failure("forget", exc)
 
     async def getattr(self, inode, ctx=None):
-        return _entry(await self._call("getattr", self.core.getattr, inode))
+        return _entry(await self._call("getattr", self.core.getattr, inode, nowait=self.core.getattr_nowait))
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         req = SetattrRequest(
@@ -140,10 +218,12 @@ class CkptOperations(pyfuse3.Operations):
         return await self._call("readlink", self.core.readlink, inode)
 
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return _entry(await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx)))
+        attr = await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return _entry(await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx)))
+        attr = await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def unlink(self, parent_inode, name, ctx):
         await self._call("unlink", self.core.unlink, parent_inode, name)
@@ -152,13 +232,15 @@ class CkptOperations(pyfuse3.Operations):
         await self._call("rmdir", self.core.rmdir, parent_inode, name)
 
     async def symlink(self, parent_inode, name, target, ctx):
-        return _entry(await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx)))
+        attr = await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx))
+        return _entry(attr, self._entry_timeout(parent_inode))
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         await self._call("rename", self.core.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return _entry(await self._call("link", self.core.link, inode, new_parent_inode, new_name))
+        attr = await self._call("link", self.core.link, inode, new_parent_inode, new_name)
+        return _entry(attr, self._entry_timeout(new_parent_inode))
 
     # -- files ---------------------------------------------------------------------------
 
@@ -182,7 +264,7 @@ class CkptOperations(pyfuse3.Operations):
 
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, attr = await self._call("create", self.core.create, parent_inode, name, mode, flags, _caller(ctx))
-        return self._file_info(fh), _entry(attr)
+        return self._file_info(fh), _entry(attr, self._entry_timeout(parent_inode))
 
     async def read(self, fh, off, size):
         data = await self._call("read", self.core.read, fh, off, size)
@@ -213,8 +295,9 @@ class CkptOperations(pyfuse3.Operations):
 
     async def readdir(self, fh, start_id, token):
         entries = await self._call("readdir", self.core.readdir, fh, start_id)
+        timeout = self._entry_timeout(0, dir_fh=fh) if entries else 0.0
         for name, attr, next_id in entries:
-            if not pyfuse3.readdir_reply(token, name, _entry(attr), next_id):
+            if not pyfuse3.readdir_reply(token, name, _entry(attr, timeout), next_id):
                 break
             self.core.count_lookup(attr.ino)
 
@@ -250,7 +333,7 @@ class CkptOperations(pyfuse3.Operations):
             # FUSE clears SB_NOSEC, so the kernel asks for security.capability before
             # every write(2). Only user.* attributes exist here: answer at once, without a
             # worker-thread hop and an LMDB transaction per write(2).
-            metrics.FUSE_REQUESTS.labels("getxattr").inc()
+            self._metrics_of("getxattr")[0].inc()
             raise pyfuse3.FUSEError(errno.ENODATA)
         return await self._call("getxattr", self.core.getxattr, inode, name)
 

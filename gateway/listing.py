@@ -176,6 +176,14 @@ class RemoteNames:
             at = self._listed_at.get(dir_ino)
         return at is not None and self._state.clock() - at < self.ttl_ns
 
+    def fresh_for_seconds(self, dir_ino: int) -> float:
+        """How much longer the directory's last listing counts as fresh (0: not listed or stale)."""
+        with self._lock:
+            at = self._listed_at.get(dir_ino)
+        if at is None:
+            return 0.0
+        return max(0.0, (at + self.ttl_ns - self._state.clock()) / 1e9)
+
     def mark_listed(self, dir_ino: int, at_ns: int | None = None) -> None:
         with self._lock:
             self._listed_at[dir_ino] = self._state.clock() if at_ns is None else at_ns

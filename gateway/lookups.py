@@ -22,6 +22,12 @@ class LookupCounts:
             s.lookups[ino] = s.lookups.get(ino, 0) + n
 
     def forget(self, items: list[tuple[int, int]]) -> None:
+        for ino in self.drop(items):
+            self.purge_if_unlinked(ino)
+
+    def drop(self, items: list[tuple[int, int]]) -> list[int]:
+        """The kernel dropped references; returns the inodes it no longer references and no
+        handle keeps open (to purge if unlinked)."""
         s = self._state
         purge = []
         with s.lock:
@@ -33,8 +39,7 @@ class LookupCounts:
                     s.lookups.pop(ino, None)
                     if ino not in s.open_files:
                         purge.append(ino)
-        for ino in purge:
-            self.purge_if_unlinked(ino)
+        return purge
 
     def maybe_purge(self, ino: int) -> None:
         if self._state.in_use(ino):

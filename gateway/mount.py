@@ -83,34 +83,6 @@ def raise_read_ahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
         log.warning("read-ahead of %s stays at the kernel's default: %s", mountpoint, exc)
 
 
-class NotOnMount(Exception):
-    """A path the user named is not on a ckptfs mount."""
-
-
-def mount_cache_dir(mountpoint: str) -> str | None:
-    """The cache directory of a ckptfs mount (asked from the mount itself), or None."""
-    try:
-        return os.fsdecode(os.getxattr(mountpoint, "user.ckptfs.cache_dir"))
-    except OSError:
-        return None
-
-
-def find_mount(path: str) -> tuple[str, str, str]:
-    """(mount root, cache dir, path relative to the root) of a path on a ckptfs mount."""
-    path = os.path.abspath(path)
-    root = path
-    while not os.path.ismount(root):
-        parent = os.path.dirname(root)
-        if parent == root:
-            break
-        root = parent
-    cache_dir = mount_cache_dir(root)
-    if cache_dir is None:
-        raise NotOnMount(f"{path}: not on a ckptfs mount")
-    rel = os.path.relpath(path, root)
-    return root, cache_dir, "" if rel == "." else rel
-
-
 class MountError(Exception):
     """A reason the mount cannot start; printed as one line."""
 

@@ -11,7 +11,9 @@ past the cap (or the cache device past its reserve) wait for room, and after
   space task adds the growth of open files (``fstat`` of their descriptors, every
   :data:`TICK_SECONDS`), the last release of a file records its size at once
   (:meth:`CacheSpace.note_closed`), and writes the gateway serves are counted when admitted
-  (:meth:`CacheSpace.admit`).
+  (:meth:`CacheSpace.admit`). The read path reserves the bytes of each GET before it starts
+  and adds them to the file's allocation when it lands (:meth:`CacheSpace.reserve_fetch`,
+  :meth:`CacheSpace.fetch_landed`).
 - **Recency** is in memory: ``ino -> last use`` (wall-clock ns), set at every open and at the
   last release (:meth:`CacheSpace.touch`), one dictionary store under a lock. Files the
   gateway has not touched since it started are seeded by the scan from the cache file's
@@ -25,7 +27,8 @@ past the cap (or the cache device past its reserve) wait for room, and after
   REMOTE leftover. Commit markers are never evicted (the drain may have to re-upload one
   from the cache when a shard below it is replaced).
 - **Backpressure** (:meth:`CacheSpace.admit`): a write that extends a file waits while
-  ``used + its bytes`` would pass the cap or leave the device less than its reserve.
+  ``used + its bytes`` would pass the cap or leave the device less than its reserve. A GET
+  the reader needs waits the same way; read-ahead that finds no room is not fetched.
   Passthrough writes never reach the gateway: while the cache is above the high watermark,
   a file opened for writing that nobody has open yet is served by the gateway instead
   (:meth:`CacheSpace.under_pressure`, ``OpenFiles.open_handle``), so its writes can wait.
@@ -97,6 +100,7 @@ class CacheSpace:
         self._growth = 0  # open files' allocation beyond _allocated, at the last tick
         self._growth_at = 0.0  # monotonic time of that measurement
         self._admitted = 0  # bytes of gateway-served writes admitted since that measurement
+        self._fetching = 0  # bytes of read-path GETs reserved and not landed yet
         self._device_avail: int | None = None  # free bytes on the device at the last scan
         self._changed_since_scan = 0  # allocation recorded since the scan (releases, evictions)
         self._recency: dict[int, int] = {}  # ino -> last use (ns)
@@ -190,14 +194,14 @@ class CacheSpace:
 
     def _used(self) -> int:
         """Bytes the cache files take, as best known (call with ``_cond`` held)."""
-        return self._total + self._growth + self._admitted
+        return self._total + self._growth + self._admitted + self._fetching
 
     def _device_room(self) -> int | None:
         """Bytes the device can still take before its reserve (call with ``_cond`` held)."""
         if self._device_avail is None:
             return None
         return (self._device_avail - self._changed_since_scan - self._growth - self._admitted
-                - self.limits.device_reserve)
+                - self._fetching - self.limits.device_reserve)
 
     def _room(self) -> int:
         """Bytes writers may still add (call with ``_cond`` held)."""
@@ -224,10 +228,34 @@ class CacheSpace:
     def admit(self, nbytes: int) -> None:
         """A write is about to add ``nbytes`` to the cache: wait until there is room, or raise
         ENOSPC after the backpressure timeout (the write is then not made at all)."""
+        self._take_room(nbytes, fetch=False, wait=True)
+
+    def reserve_fetch(self, nbytes: int, *, wait: bool) -> bool:
+        """A GET of the read path is about to put ``nbytes`` into a cache file: count them from
+        now until :meth:`fetch_landed`, so a cold read or a prefetch makes room (eviction) or
+        waits for it instead of passing the cap. ``wait``: wait as a write does (ENOSPC after
+        the backpressure timeout); otherwise (read-ahead) take the room only if it is there."""
+        return self._take_room(nbytes, fetch=True, wait=wait)
+
+    def fetch_landed(self, ino: int, reserved: int, allocated: int | None) -> None:
+        """A GET that :meth:`reserve_fetch` counted finished; ``allocated``: the inode's cache
+        file's allocation measured after it (None: not measured). The bytes of GETs of the
+        file still in flight may count twice (reserved, and partly landed) until they end."""
+        with self._cond:
+            self._fetching -= reserved
+            if allocated is not None:
+                delta = allocated - self._allocated.get(ino, 0)
+                self._allocated[ino] = allocated
+                self._total += delta
+                self._changed_since_scan += delta
+
+    def _take_room(self, nbytes: int, *, fetch: bool, wait: bool) -> bool:
         with self._cond:
             if self._room() >= nbytes:
-                self._admitted += nbytes
-                return
+                self._count(nbytes, fetch)
+                return True
+            if not wait:
+                return False
         self._measure_open_files()  # the last tick's figure may be stale
         start = time.monotonic()
         with self._cond:
@@ -240,10 +268,17 @@ class CacheSpace:
                         self.enospc_total += 1
                         raise FsError(errno.ENOSPC, f"no cache space within {self.limits.timeout:g}s")
                     self._cond.wait(min(remaining, TICK_SECONDS))
-                self._admitted += nbytes
+                self._count(nbytes, fetch)
+                return True
             finally:
                 del self._waiters[token]
                 self.wait_seconds_total += time.monotonic() - start
+
+    def _count(self, nbytes: int, fetch: bool) -> None:
+        if fetch:
+            self._fetching += nbytes
+        else:
+            self._admitted += nbytes
 
     # -- eviction -----------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -183,44 +184,103 @@ def write_checkpoint(directory: str, total: int, buf: memoryview, name: str = "m
 META_PHASES = ("create", "rename", "unlink")
 
 
-def namespace_ops(directory: str, files: int, size: int = 1024) -> dict[str, float]:
+def namespace_ops(directory: str, files: int, size: int = 1024, probe=None) -> dict:
     """``files`` x ``size`` bytes: create+write+close each, rename each, unlink each.
 
-    Returns operations per second of each phase.
+    Returns operations per second of each phase; with ``probe`` (a function returning a
+    snapshot dict of counters, e.g. gateway CPU seconds and FUSE requests by op) also
+    ``deltas``: the counters' change over each phase.
     """
     data = os.urandom(size)
     work = os.path.join(directory, "meta")
     os.makedirs(work, exist_ok=True)
     names = [os.path.join(work, f"f{i:06d}") for i in range(files)]
-    rates = {}
-    start = time.perf_counter()
-    for name in names:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-    rates["create"] = files / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for name in names:
-        os.rename(name, name + ".r")
-    rates["rename"] = files / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for name in names:
-        os.unlink(name + ".r")
-    rates["unlink"] = files / (time.perf_counter() - start)
+    rates: dict = {}
+    deltas: dict = {}
+
+    def phase(name, body) -> None:
+        before = probe() if probe is not None else None
+        start = time.perf_counter()
+        body()
+        rates[name] = files / (time.perf_counter() - start)
+        if probe is not None:
+            after = probe()
+            deltas[name] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+    def create() -> None:
+        for name in names:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+    def rename() -> None:
+        for name in names:
+            os.rename(name, name + ".r")
+
+    def unlink() -> None:
+        for name in names:
+            os.unlink(name + ".r")
+
+    phase("create", create)
+    phase("rename", rename)
+    phase("unlink", unlink)
     os.rmdir(work)
+    if probe is not None:
+        rates["deltas"] = deltas
     return rates
 
 
+def _metric_samples(port: int, name: str) -> dict[str, float]:
+    """``{op: value}`` of a metric with one ``op`` label, from a gateway's metrics endpoint."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(rf'^{name}{{op="([^"]+)"}} ([0-9.e+]+)$', text, re.MULTILINE):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def gateway_probe(mount: Mount):
+    """A probe for :func:`namespace_ops`: gateway CPU seconds (user+system, all threads,
+    from /proc) and its FUSE requests by op (``ckptfs_fuse_requests_total``): the figures
+    that do not depend on what else runs on the machine."""
+    def probe() -> dict[str, float]:
+        snap = {f"req:{op}": n for op, n in _metric_samples(mount.metrics_port, "ckptfs_fuse_requests_total").items()}
+        snap["cpu"] = _cpu_seconds([mount.pid])
+        snap["cpu_sys"] = _cpu_seconds([mount.pid], system_only=True)
+        drain = mount.processes().get("drain")
+        snap["drain_cpu"] = _cpu_seconds([drain]) if drain else 0.0
+        return snap
+    return probe
+
+
+def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, float], float]:
+    """(FUSE requests per operation, gateway CPU microseconds per operation, requests by op,
+    of the CPU the system part in microseconds per operation)."""
+    by_op = {k[4:]: v for k, v in delta.items() if k.startswith("req:") and v}
+    return (sum(by_op.values()) / ops, delta.get("cpu", 0.0) * 1e6 / ops, by_op,
+            delta.get("cpu_sys", 0.0) * 1e6 / ops)
+
+
 def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int) -> dict:
-    """The ``meta`` section: plain directory and each data path, alternating, drain live."""
+    """The ``meta`` section: plain directory and each data path, alternating, drain live.
+
+    Besides operations per second (which depend on the machine's load), it gives for each
+    mount and phase the FUSE requests per operation and the gateway's CPU microseconds per
+    operation (medians over the rounds), which do not.
+    """
     plain = os.path.join(workdir, "meta-plain")
     os.makedirs(plain, exist_ok=True)
     mounts = {m: Mount(os.path.join(workdir, f"meta-{m}"), settle_seconds=None, extra_args=["--data-path", m])
               for m in modes}
     sides = ["plain", *modes]
     results: dict[str, dict[str, list[float]]] = {side: {p: [] for p in META_PHASES} for side in sides}
+    # per mount and phase, one entry per round: requests/op, gateway CPU us/op, requests by op
+    cost: dict[str, dict[str, list]] = {m: {p: [] for p in META_PHASES} for m in modes}
     try:
         for m in modes:
             mounts[m].start()
@@ -230,9 +290,12 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
         for rnd in range(rounds):
             for side in sides:
                 os.sync()
-                rates = namespace_ops(plain if side == "plain" else mounts[side].mnt, files)
+                probe = gateway_probe(mounts[side]) if side != "plain" else None
+                rates = namespace_ops(plain if side == "plain" else mounts[side].mnt, files, probe=probe)
                 for phase in META_PHASES:
                     results[side][phase].append(rates[phase])
+                    if probe is not None:
+                        cost[side][phase].append(_per_op(rates["deltas"][phase], files))
             print(f"  round {rnd + 1}: " + "  ".join(
                 f"{side} " + "/".join(f"{results[side][p][-1]:.0f}" for p in META_PHASES) for side in sides),
                 flush=True)
@@ -240,10 +303,24 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
         print(f"{'side':<12} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
         for side in sides:
             print(f"{side:<12} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
+        print("load-independent figures (medians over the rounds): FUSE requests per operation,"
+              " gateway CPU us per operation")
+        print(f"{'side':<12} " + " ".join(f"{p + ' req/op  CPU us/op':>30}" for p in META_PHASES))
+        for m in modes:
+            print(f"{m:<12} " + " ".join(
+                f"{statistics.median(c[0] for c in cost[m][p]):>19.2f} {statistics.median(c[1] for c in cost[m][p]):>10.0f}"
+                for p in META_PHASES))
+        for m in modes:
+            for p in META_PHASES:
+                by_op = cost[m][p][-1][2]
+                print(f"  {m} {p}, last round, gateway CPU system us/op {cost[m][p][-1][3]:.0f}, requests by op: "
+                      + ", ".join(f"{op} {n:.0f}" for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])))
     finally:
         for m in mounts.values():
             m.stop()
-    return results
+    return {"ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
+                                                   "requests": c[2], "gateway_system_cpu_us_per_op": c[3]} for c in cost[m][p]]
+                                             for p in META_PHASES} for m in modes}}
 
 
 def torch_available() -> bool:
@@ -323,6 +400,7 @@ class Mount:
         self.settle_seconds = settle_seconds
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen | None = None
+        self.metrics_port = _free_port()
 
     def start(self, timeout: float = 60.0) -> None:
         for d in (self.bucket, self.cache, self.mnt):
@@ -331,7 +409,7 @@ class Mount:
         if not os.path.exists(args[0]):
             args = [sys.executable, "-m", "ckptfs"]
         args += ["mount", f"file://{self.bucket}", self.mnt, "--cache-dir", self.cache, "--foreground",
-                 "--metrics-addr", f"127.0.0.1:{_free_port()}"]
+                 "--metrics-addr", f"127.0.0.1:{self.metrics_port}"]
         if self.settle_seconds is not None:
             cfg = os.path.join(self.workdir, "bench.toml")
             with open(cfg, "w") as fh:
@@ -388,14 +466,14 @@ class Mount:
         self.proc = None
 
 
-def _cpu_seconds(pids) -> float:
-    """User + system CPU time of the processes (0 for those gone)."""
+def _cpu_seconds(pids, *, system_only: bool = False) -> float:
+    """User + system (or only system) CPU time of the processes (0 for those gone)."""
     total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += int(fields[12]) + (0 if system_only else int(fields[11]))
         except (OSError, IndexError, ValueError):
             pass
     return total / os.sysconf("SC_CLK_TCK")

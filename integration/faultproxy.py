@@ -260,6 +260,9 @@ class FaultProxy:
         self._server: asyncio.base_events.Server | None = None
         self._ready = threading.Event()
         self._stopped = False
+        #: SO_RCVBUF of connections accepted from now on (None: the kernel's autotuning). A
+        #: small one keeps a client's kernel from taking a whole request body at once.
+        self.client_rcvbuf: int | None = None
         self._startup_error: BaseException | None = None
         self.connections = 0
 
@@ -428,6 +431,10 @@ class FaultProxy:
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.connections += 1
+        if self.client_rcvbuf:
+            sock = cwriter.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.client_rcvbuf)
         up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             while True:

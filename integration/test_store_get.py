@@ -75,3 +75,44 @@ def test_get_to_file_over_https(s3_server: S3Server, s3_bucket: str, tmp_path):
         assert ei.value.code == "TLSError" and not ei.value.retryable
 
     trio.run(main)
+
+
+def _connections_to(port: int) -> int:
+    """This process's TCP sockets connected to 127.0.0.1:``port`` (from /proc/self/fd)."""
+    inodes = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                remote, state, inode = fields[2], fields[3], fields[9]
+                if inode in inodes and state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
+def test_aclose_closes_the_get_connections(s3_server: S3Server, s3_bucket: str, tmp_path):
+    """The read path's GETs keep pooled connections (urllib3, worker threads); closing the
+    store closes them too, so a gateway that closes its bucket leaves no socket open."""
+    port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
+    data = os.urandom(MiB)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="g/obj", Body=data)
+
+    async def main():
+        st = store(s3_server, s3_bucket)
+        await st.open()
+        before = _connections_to(port)
+        assert await st.get_to_file("obj", tmp_path / "x", 0, len(data)) == len(data)
+        assert _connections_to(port) > before  # kept for the next GET
+        await st.aclose()
+        assert _connections_to(port) <= before  # the store object still lives: closed, not collected
+
+    trio.run(main)

@@ -189,7 +189,9 @@ def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monke
     for i in range(12):
         data = os.urandom(256 << 10)
         blobs[read_env.remote(f"f{i}".encode(), data)] = data
-    space = cap(core, 0.5, high=0.2, low=0.01)  # anything cached is over the high watermark
+    # Anything cached is over the high watermark; the cap leaves room for the two files in
+    # flight (fetched bytes count toward it from their reservation on).
+    space = cap(core, 2, high=0.05, low=0.01)
     stop = threading.Event()
     bad: list[str] = []
 
@@ -209,7 +211,15 @@ def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monke
                 if got != data:
                     bad.append(f"inode {ino}: {len(got)} bytes, {got.count(0)} zero bytes")
 
-    threads = [threading.Thread(target=fetcher), threading.Thread(target=reader)]
+    def reporting(fn):
+        def run():
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - a thread that died would leave nothing to compare
+                bad.append(repr(exc))
+        return run
+
+    threads = [threading.Thread(target=reporting(fetcher)), threading.Thread(target=reporting(reader))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 3
@@ -224,6 +234,59 @@ def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monke
         if state(core, ino) != FileState.REMOTE:
             with open(core.cache.data_path(ino), "rb") as f:
                 assert f.read() == data, ino
+
+
+def allocated_in_cache(core: FsCore) -> int:
+    total = 0
+    with os.scandir(core.cache.data_dir) as entries:
+        for entry in entries:
+            try:
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@pytest.mark.parametrize("how", ["prefetch", "read"])
+def test_a_cold_fetch_bigger_than_the_free_room_evicts_instead_of_passing_the_cap(read_env, how):
+    """Fetched bytes count toward the cap as their GETs start, not at the next full scan: a
+    prefetch or cold read of a file bigger than the room left makes the evictor take older
+    clean files first, and the cache never holds more than the cap."""
+    core = read_env.core
+    old = []
+    for i in range(3):
+        ino = read_env.remote(f"old{i}".encode(), os.urandom(512 << 10))
+        core.fetch(ino)
+        old.append(ino)
+    space = cap(core, 2, high=0.9, low=0.5, timeout=10)  # 1.5 MiB cached: room for 0.5 MiB
+    data = os.urandom(MIB)
+    big = read_env.remote(b"big", data)
+    stop = threading.Event()
+    peak = [0]
+
+    def space_task():  # what the gateway's space task does, and a witness of the real use
+        while not stop.is_set():
+            space.tick()
+            peak[0] = max(peak[0], allocated_in_cache(core))
+            time.sleep(0.005)
+
+    task = threading.Thread(target=space_task)
+    task.start()
+    try:
+        if how == "prefetch":
+            core.fetch(big)
+        else:
+            fh = core.open(big, os.O_RDONLY)
+            got = b"".join(core.read(fh, off, 128 << 10) for off in range(0, MIB, 128 << 10))
+            core.release(fh)
+            assert got == data
+    finally:
+        stop.set()
+        task.join()
+    peak[0] = max(peak[0], allocated_in_cache(core))
+    assert peak[0] <= 2 * MIB, f"the cache held {peak[0] / MIB:.2f} MiB against a 2 MiB cap"
+    assert state(core, big) == FileState.CACHED_CLEAN
+    assert state(core, old[0]) == FileState.REMOTE and not cached(core, old[0])  # least recently used
 
 
 def test_an_open_racing_with_eviction_never_sees_a_removed_cache_file(core):

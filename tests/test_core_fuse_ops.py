@@ -32,11 +32,33 @@ def counter(metric, *labels) -> float:
 
 def test_fs_error_becomes_its_errno_and_is_counted(core):
     ops = CkptOperations(core)
-    before = counter(metrics.FUSE_ERRORS, "lookup", "ENOENT")
+    before = counter(metrics.FUSE_ERRORS, "unlink", "ENOENT")
     with pytest.raises(pyfuse3.FUSEError) as exc:
-        run(ops.lookup, ROOT, b"missing", Ctx())
+        run(ops.unlink, ROOT, b"missing", Ctx())
     assert exc.value.errno == errno.ENOENT
+    assert counter(metrics.FUSE_ERRORS, "unlink", "ENOENT") == before + 1
+
+
+def test_a_lookup_miss_is_a_negative_entry_the_kernel_may_keep(core):
+    ops = CkptOperations(core)
+    before = counter(metrics.FUSE_ERRORS, "lookup", "ENOENT")
+    entry = run(ops.lookup, ROOT, b"missing", Ctx())
+    assert entry.st_ino == 0  # "no such name", cached by the kernel for entry_timeout
+    assert entry.entry_timeout == core.entry_timeout(ROOT) >= 1.0
     assert counter(metrics.FUSE_ERRORS, "lookup", "ENOENT") == before + 1
+
+
+def test_a_failing_entry_timeout_still_answers_with_the_minimum(core, monkeypatch, caplog):
+    ops = CkptOperations(core)
+
+    def boom(parent):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(core, "entry_timeout", boom)
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
+        entry = run(ops.lookup, ROOT, b"missing", Ctx())
+    assert entry.st_ino == 0 and entry.entry_timeout == 1.0  # the reply still goes out
+    assert any("entry timeout" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
 def test_unexpected_exception_becomes_eio_log_and_counter(core, monkeypatch, caplog):
@@ -46,6 +68,7 @@ def test_unexpected_exception_becomes_eio_log_and_counter(core, monkeypatch, cap
         raise RuntimeError("simulated bug")
 
     monkeypatch.setattr(core, "getattr", boom)
+    monkeypatch.setattr(core, "getattr_nowait", boom)  # answered on the trio loop
     before = counter(metrics.FUSE_UNEXPECTED, "getattr")
     with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
         with pytest.raises(pyfuse3.FUSEError) as exc:
@@ -76,6 +99,7 @@ def test_forget_never_raises(core, monkeypatch):
         raise KeyError("bug")
 
     monkeypatch.setattr(core, "forget", boom)
+    monkeypatch.setattr(core, "forget_nowait", boom)
     run(ops.forget, [(ROOT, 1)])  # forget has no reply: logged and counted only
 
 

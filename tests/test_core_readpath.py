@@ -329,3 +329,33 @@ def test_concurrency_bounds_gets_in_flight(env, monkeypatch):
     assert json.loads(env.core.getxattr(ino, PREFETCH_XATTR))["fetched"] == len(data)
     assert peak[0] == 4  # [read] concurrency
 
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_a_file_filled_out_of_order_is_checked_whole(env, matches):
+    """The blake3 check runs over the present prefix as blocks land (not one pass at the end):
+    whatever order the blocks arrive in, a file becomes cached-clean only if its whole
+    content matches, and a one-byte difference anywhere is EIO."""
+    import blake3
+
+    data = payload(3 * MIB + 5)
+    other = bytearray(data)
+    other[MIB + 7] ^= 1  # what the object's recorded hash was computed from, when it differs
+    digest = blake3.blake3(data if matches else bytes(other)).hexdigest()
+    ino = env.remote(b"ooo", data, blake3_hex=digest)
+    core = env.core
+    fh = core.open(ino, os.O_RDONLY)
+    offsets = list(range(0, len(data), 3 * BLOCK))
+    offsets = offsets[1::2][::-1] + offsets[::2]  # from the end back, then the gaps forwards
+    try:
+        for off in offsets:
+            n = min(3 * BLOCK, len(data) - off)
+            assert core.read(fh, off, n) == data[off:off + n]
+        core.flush(fh)
+        ok = True
+    except FsError as exc:
+        assert exc.errno == errno.EIO
+        ok = False
+    core.release(fh)
+    assert ok == matches
+    assert env.state(ino) == (FileState.CACHED_CLEAN if matches else FileState.REMOTE)

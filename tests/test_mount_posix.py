@@ -310,6 +310,34 @@ def test_unlinked_file_is_purged_once_closed_and_forgotten(mnt, shared_gateway):
         meta.close()
 
 
+def test_names_found_missing_or_moved_away_are_never_shown_stale(mnt):
+    """A lookup miss is kept by the kernel (a negative entry): a name created, renamed or
+    linked here right after is there at once, and a name renamed or unlinked here is gone
+    at once, whatever the kernel cached about it."""
+    a, b = mnt / "a", mnt / "b"
+    for _ in range(2):
+        assert not a.exists() and not b.exists()  # cached as missing from here on
+    a.write_bytes(b"1")  # O_CREAT without O_EXCL over a cached "missing"
+    assert a.read_bytes() == b"1"
+    os.rename(a, b)
+    assert not a.exists() and b.read_bytes() == b"1"
+    os.mkdir(a)
+    assert a.is_dir()
+    os.rmdir(a)
+    assert not a.exists()
+    os.link(b, a)
+    assert a.read_bytes() == b"1"
+    os.unlink(b)
+    assert not b.exists()
+    os.symlink("a", b)
+    assert os.readlink(b) == "a" and b.read_bytes() == b"1"
+    fd = os.open(b, os.O_RDONLY)
+    os.close(fd)
+    os.rename(a, mnt / "c")
+    assert not a.exists() and not b.exists()  # b dangles now
+    assert sorted(os.listdir(mnt)) == ["b", "c"]
+
+
 def test_rename_over_an_existing_file(mnt):
     (mnt / "tmp").write_bytes(b"new")
     (mnt / "final").write_bytes(b"old")

@@ -104,6 +104,22 @@ def test_renames_and_deletes_on_a_show_on_b_after_the_ttl(two_nodes):
     assert os.stat(b.mnt / "ckpt" / "new").st_size == 4
 
 
+def test_a_name_b_found_missing_appears_within_the_ttl_despite_negative_caching(two_nodes):
+    a, b = two_nodes
+    (a.mnt / "ckpt").mkdir()
+    (a.mnt / "ckpt" / "old").write_bytes(b"old")
+    wait_durable(a)
+    assert os.listdir(b.mnt / "ckpt") == ["old"]
+    late = b.mnt / "ckpt" / "late"
+    for _ in range(3):
+        assert not late.exists()  # b's kernel keeps this answer (a negative entry)
+    (a.mnt / "ckpt" / "late").write_bytes(b"late")
+    wait_durable(a)  # in the bucket from here on
+    # The promise: within the TTL, plus up to 1 s of kernel caching (jiffies: a little more).
+    time.sleep(TTL + 1.0 + 0.2)
+    assert late.read_bytes() == b"late"
+
+
 def test_names_missing_on_b_cost_no_request_per_lookup(two_nodes):
     a, b = two_nodes
     (a.mnt / "pkg").mkdir()

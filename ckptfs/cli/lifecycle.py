@@ -35,7 +35,7 @@ from ckptfs.fsmeta.settings import (
     build_settings,
     parse_store_url,
 )
-from ckptfs.gateway.mount import NotOnMount, find_mount
+from ckptfs.gateway.mountpoint import NotOnMount, find_mount
 from ckptfs.lifecycle.executor import CacheMismatch, read_local_pending, run_once
 from ckptfs.lifecycle.pins import (
     PinError,

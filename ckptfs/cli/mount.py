@@ -11,6 +11,7 @@ import time
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import ConfigError, build_settings
 from ckptfs.gateway import mount
+from ckptfs.gateway.mountpoint import mount_cache_dir
 
 from .common import setup_logging
 from .status import wait_durable
@@ -48,7 +49,7 @@ def cmd_umount(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"ckptfs: {mountpoint}: the gateway had died; cleared its mount "
               f"(fsynced data is still in the cache: mount again or run ckptfs drain)", file=sys.stderr)
         return 0
-    cache_dir = mount.mount_cache_dir(mountpoint)
+    cache_dir = mount_cache_dir(mountpoint)
     if cache_dir is None:
         print(f"ckptfs: {mountpoint}: not a ckptfs mount", file=sys.stderr)
         return 1

@@ -48,7 +48,7 @@ from rich.table import Table
 from ckptfs.fsmeta import durability
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import DEFAULT_MARKERS
-from ckptfs.gateway.mount import NotOnMount, find_mount
+from ckptfs.gateway.mountpoint import NotOnMount, find_mount
 from ckptfs.lifecycle.catalog import ListedObject, build_catalog
 from ckptfs.lifecycle.render import elide_path
 from ckptfs.lifecycle.rules import LifecycleConfigError, LifecycleRules, rules_from_table
