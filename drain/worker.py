@@ -37,7 +37,7 @@ from ckptfs.fsmeta.txn import Txn
 from . import schedule
 from .localio import SourceChangedError
 from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
-from .store import NotFoundError, ObjectStore, PartRecord, StoreError
+from .store import NotFoundError, ObjectStore, PartRecord, PutResult, StoreError
 from .upload import (
     Backoff,
     FileDigest,
@@ -450,17 +450,20 @@ class Drain:
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
+                etag = job.remote.etag
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
                         try:
-                            await self._move_copy(job.remote.key, key, meta)
+                            copied = await self._move_copy(job.remote.key, key, meta)
                         except NotFoundError:
                             # The source object vanished (deleted outside ckptfs): upload from the cache.
                             log.warning("%s: copy source %s is gone; uploading from the cache", key, job.remote.key)
                             await self._write(self._forget_bucket_copy, job.ino)
                             return
                         self.stats.copied_objects += 1
-                etag = job.remote.etag
+                        if key == primary:
+                            # S3 gives a copy of a multipart object a new ETag: reads send If-Match.
+                            etag = copied.etag
                 size = job.remote.size
             else:
                 etag, blake3, size = await self._upload(job, primary)
@@ -646,7 +649,7 @@ class Drain:
         durability.mark_needs_upload(txn, inode, self.clock())
         return True
 
-    async def _move_copy(self, src: str, dst: str, meta: dict) -> None:
+    async def _move_copy(self, src: str, dst: str, meta: dict) -> PutResult:
         """Server-side copy for a rename: keeps the object's storage class and tags.
 
         A plain CopyObject lands in STANDARD, and radosgw drops tags when the
@@ -658,10 +661,11 @@ class Drain:
             raise NotFoundError(f"copy source {src} does not exist", code="NoSuchKey", op="CopyObject", key=src)
         tags = await self._retry(f"get tags {src}", lambda: self.store.get_tags(src))
         storage_class = info.storage_class if info.storage_class not in (None, "STANDARD") else None
-        await self._retry(f"copy {src} -> {dst}",
-                          lambda: self.store.copy(src, dst, metadata=meta, storage_class=storage_class))
+        copied = await self._retry(f"copy {src} -> {dst}",
+                                   lambda: self.store.copy(src, dst, metadata=meta, storage_class=storage_class))
         if tags:
             await self._retry(f"put tags {dst}", lambda: self.store.put_tags(dst, tags))
+        return copied
 
     def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
         """The bucket no longer holds this inode's content: the next round uploads it."""

@@ -47,6 +47,7 @@ from .space import CacheSpace, SpaceLimits
 from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
 from .xattrs import (  # noqa: F401
     BLAKE3_XATTR,
+    EVICT_XATTR,
     PREFETCH_XATTR,
     STATE_XATTR,
     XATTR_CREATE,
@@ -581,7 +582,21 @@ class FsCore:
             fetched = self.fetch(ino)
             size = self.getattr(ino).size
             return json.dumps({"bytes": size, "fetched": fetched}, separators=(",", ":")).encode()
+        if name == EVICT_XATTR:
+            evicted = self.evict(ino)
+            size = self.getattr(ino).size
+            return json.dumps({"bytes": size, "evicted": evicted}, separators=(",", ":")).encode()
         return self._xattrs.getxattr(ino, name)
+
+    def evict(self, ino: int) -> bool:
+        """Drop the file's cache file now if it may go (clean, not open, not a commit marker):
+        ``user.ckptfs.evict``. True if the file is in the bucket only now."""
+        with self.meta.read() as txn:
+            inode = need_inode(txn, ino)
+        if not inode.is_reg or self._state.space is None:
+            return False
+        files, _ = self._state.space.evict_now([ino])
+        return files == 1 or inode.state == FileState.REMOTE
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         self._xattrs.setxattr(ino, name, value, flags)

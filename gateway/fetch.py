@@ -169,12 +169,15 @@ class Fetcher:
 
     def acquire(self, inode: Inode) -> RemoteFile:
         """The fetch state of a REMOTE inode (shared by every user until dropped)."""
+        with self._state.meta.read() as txn:
+            record = txn.get_remote(inode.ino)
         with self._lock:
             rf = self._files.get(inode.ino)
-            if rf is not None and (rf.error is not None or rf.generation != inode.generation):
+            if rf is not None and (rf.error is not None or rf.generation != inode.generation or record is None):
                 self._drop(rf, empty=rf.error is not None)
                 rf = None
             if rf is not None:
+                self._follow_record(rf, record)
                 rf.users += 1
                 self._files.move_to_end(inode.ino)
                 return rf
@@ -358,6 +361,7 @@ class Fetcher:
 
     def check(self, rf: RemoteFile) -> None:
         """For close (flush): the file's error, after its check if the whole object is here."""
+        self._verify_if_due(rf)  # an empty object is whole without any read: nobody else checks it
         self.wait_checked(rf)
 
     def _verify_if_due(self, rf: RemoteFile) -> None:
@@ -442,6 +446,7 @@ class Fetcher:
             async with self._limiter:
                 metrics.FETCHES_IN_FLIGHT.inc()
                 t0 = time.perf_counter()
+                source = (rf.key, rf.etag)
                 try:
                     n = await store.get_to_file(rf.key, rf.fd, start, end - start, if_match=rf.etag or None)
                     error = None
@@ -451,15 +456,20 @@ class Fetcher:
                     metrics.FETCHES_IN_FLIGHT.dec()
                     metrics.BUCKET_GET_SECONDS.observe(time.perf_counter() - t0)
             landed = True
-            await trio.to_thread.run_sync(self._landed, rf, b0, b1, n, error)
+            await trio.to_thread.run_sync(self._landed, rf, b0, b1, n, error, source)
         finally:
             if not landed:  # cancelled (the client closes): wake the waiters, no disk I/O here
                 self._landed(rf, b0, b1, 0, FsError(errno.EIO, "bucket client closed"))
 
-    def _landed(self, rf: RemoteFile, b0: int, b1: int, n: int, error: BaseException | None, *,
-                reserved: bool = True) -> None:
-        """A GET finished (a worker thread of the bucket client's loop); ``reserved``: its
-        bytes were reserved in the cache cap."""
+    def _landed(self, rf: RemoteFile, b0: int, b1: int, n: int, error: BaseException | None,
+                source: tuple[str, str] | None = None, *, reserved: bool = True) -> None:
+        """A GET (of ``source``: key, etag) finished (a worker thread of the bucket client's
+        loop); ``reserved``: its bytes were reserved in the cache cap."""
+        if (isinstance(error, (PreconditionFailedError, NotFoundError)) and source is not None
+                and self._follow_move(rf, source)):
+            # The same blocks, from where the object is now (its cap reservation carries over).
+            self._bucket.submit(lambda store: self._get(store, rf, b0, b1))
+            return
         expected = min(b1 * BLOCK, rf.size) - b0 * BLOCK
         if error is None and n != expected:
             error = PreconditionFailedError(f"GetObject {rf.key!r}: got {n} of {expected} bytes",
@@ -511,6 +521,30 @@ class Fetcher:
             if rf.error is not None and self._files.get(rf.ino) is rf and rf.users == 0:
                 self._drop(rf, empty=True)
             self._close_if_unused(rf)
+
+    def _follow_move(self, rf: RemoteFile, source: tuple[str, str]) -> bool:
+        """A rename or chmod of the file, drained while it is read, moved its object (a new key,
+        and on S3 perhaps a new ETag) with the same content (the same generation): read on from
+        there. False if the object really changed or went."""
+        with self._state.meta.read() as txn:
+            inode = txn.get_inode(rf.ino)
+            record = txn.get_remote(rf.ino)
+        with rf.cond:
+            if (rf.key, rf.etag) != source:
+                return not rf.local  # another GET of it moved it already
+        if inode is None or record is None or inode.generation != rf.generation:
+            return False
+        return self._follow_record(rf, record)
+
+    @staticmethod
+    def _follow_record(rf: RemoteFile, record) -> bool:
+        """Point ``rf`` at the object fsmeta records for the same content now (a drained rename
+        or chmod copied it: a new key, on S3 perhaps a new ETag). True if it moved."""
+        with rf.cond:
+            if rf.local or not record.key or (record.key, record.etag) == (rf.key, rf.record_etag):
+                return False
+            rf.key, rf.etag, rf.record_etag = record.key, record.etag, record.etag
+            return True
 
     def _hash_prefix(self, rf: RemoteFile, *, to_end: bool = False) -> str:
         """Feed the hasher the present blocks from where it stopped, in order, up to the first

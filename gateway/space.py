@@ -332,6 +332,11 @@ class CacheSpace:
             freed += size
         return files, freed
 
+    def evict_now(self, inos: list[int]) -> tuple[int, int]:
+        """Evict these files now, whatever the watermarks say (``user.ckptfs.evict``): those
+        that may go (clean, not open, not a commit marker). Returns (files, bytes) evicted."""
+        return self._evict_batch(self._candidates(inos))
+
     def _candidates(self, inos: list[int]) -> list[int]:
         """The inodes, in order, whose cache file may go: clean (or already REMOTE: a leftover
         of a crash or a partial fetch), and not a commit marker."""

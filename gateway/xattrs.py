@@ -21,6 +21,10 @@ BLAKE3_XATTR = b"user.ckptfs.blake3"
 # Reading it fetches the whole file into the cache first (``ckptfs prefetch``); the value is
 # JSON: {"bytes": size, "fetched": bytes this call asked the bucket for}.
 PREFETCH_XATTR = b"user.ckptfs.prefetch"
+# Reading it evicts the file from the cache now if it is clean and not open (it stays
+# visible and is fetched again when read); the value is JSON: {"bytes": size, "evicted":
+# whether its cache file went}.
+EVICT_XATTR = b"user.ckptfs.evict"
 
 
 class Xattrs:

@@ -133,3 +133,19 @@ def test_torch_save_through_a_loads_through_b_bit_for_bit(s3_server, s3_bucket, 
     assert loaded["step"] == 100
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value), key
+
+
+def test_a_remote_file_renamed_on_b_reads_back_after_its_copy(s3_server, s3_bucket, mounts):
+    """radosgw: A uploads a file in parts; B (which never cached it) renames it, its drain
+    moves the object with a server-side copy, and the file reads back on B at once. (radosgw
+    keeps a multipart object's ETag on copy, AWS S3 gives the copy a new one: the drain
+    records the copy's ETag either way; tests/regressions/test_readpath_model_found.py
+    emulates S3's behaviour on a file:// bucket.)"""
+    a, b = _two_nodes(s3_server, s3_bucket, mounts, "jobs/rename")
+    data = os.urandom(6 << 20)  # above the 5 MiB part size: a multipart object
+    (a.mnt / "shard.pt").write_bytes(data)
+    a.wait_durable(timeout=120)
+    os.rename(b.mnt / "shard.pt", b.mnt / "moved.pt")
+    b.wait_durable(timeout=120)
+    assert os.getxattr(b.mnt / "moved.pt", "user.ckptfs.state") == b"remote"
+    assert (b.mnt / "moved.pt").read_bytes() == data

@@ -5,6 +5,7 @@ evicted, backpressure (wait, then ENOSPC without a torn file), and evicted files
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from conftest import ROOT, ROOT_CALLER, fsmeta_problems
 from ckptfs.fsmeta import FileState, RemoteRecord, durability
 from ckptfs.fsmeta.check import cache_file_findings
 from ckptfs.fsmeta.recovery import reconcile_cache_lengths
-from ckptfs.gateway.core import FsCore, SetattrRequest
+from ckptfs.gateway.core import EVICT_XATTR, FsCore, SetattrRequest
 from ckptfs.gateway.errors import FsError
 from ckptfs.gateway.space import SpaceLimits
 
@@ -150,6 +151,31 @@ def test_evicted_file_opens_with_o_trunc_and_reads_back_through_the_fetcher(read
     assert state(core, other) == FileState.DIRTY and core.getattr(other).size == 3
     with open(core.cache.data_path(other), "rb") as f:
         assert f.read() == b"new"
+
+
+def test_the_evict_xattr_drops_a_clean_file_now_and_keeps_dirty_and_open_ones(read_env):
+    """``getfattr -n user.ckptfs.evict FILE``: an operator frees a file's cache space now."""
+    core = read_env.core
+    cap(core, 1024)  # far from the watermarks: nothing goes by itself
+    data = os.urandom(MIB)
+    ino = read_env.remote(b"f", data)
+    core.fetch(ino)
+    assert state(core, ino) == FileState.CACHED_CLEAN and cached(core, ino)
+    fh = core.open(ino, os.O_RDONLY)
+    assert json.loads(core.getxattr(ino, EVICT_XATTR)) == {"bytes": MIB, "evicted": False}  # open
+    core.release(fh)
+    assert json.loads(core.getxattr(ino, EVICT_XATTR)) == {"bytes": MIB, "evicted": True}
+    assert state(core, ino) == FileState.REMOTE and not cached(core, ino)
+    assert core.getattr(ino).size == MIB
+    fh = core.open(ino, os.O_RDONLY)
+    assert core.read(fh, 0, MIB) == data  # fetched again
+    core.release(fh)
+    dirty = write_file(core, b"dirty", 10)
+    assert json.loads(core.getxattr(dirty, EVICT_XATTR)) == {"bytes": 10, "evicted": False}
+    assert cached(core, dirty)
+    with pytest.raises(FsError) as exc:
+        core.setxattr(ino, EVICT_XATTR, b"1")
+    assert exc.value.errno == errno.EPERM
 
 
 def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monkeypatch):

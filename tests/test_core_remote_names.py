@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from test_drain_support import USER, MiB
 
 from ckptfs.drain.filestore import FileStore
 from ckptfs.drain.worker import Drain, object_metadata
@@ -26,8 +27,6 @@ from ckptfs.gateway.bucket import BucketClient
 from ckptfs.gateway.core import FsCore, SetattrRequest
 from ckptfs.gateway.errors import FsError
 from ckptfs.gateway.listing import DEFAULT_REMOTE_TTL, parse_mode, parse_mtime_ns
-
-from test_drain_support import USER, MiB
 
 SEC = 1_000_000_000
 TTL = 2.0
@@ -96,13 +95,14 @@ class Node:
     def problems(self) -> list[str]:
         return fsmeta_problems(self.meta)
 
-    def drain(self, bucket: Path | None = None) -> None:
-        """Run a drain on this node's cache until its queue is empty."""
+    def drain(self, store_cls=FileStore) -> None:
+        """Run a drain on this node's cache until its queue is empty (``store_cls``: the
+        bucket's behaviour, a FileStore by default)."""
         settings = Settings(bucket_url=f"file://{self.bucket_root}", cache_dir=self.core.cache_dir,
                             settle_seconds=0, part_size=5 * MiB, concurrency=4)
 
         async def run():
-            async with FileStore(str(self.bucket_root)) as store:
+            async with store_cls(str(self.bucket_root)) as store:
                 with trio.fail_after(20):
                     await Drain(self.core.cache_dir, self.meta, settings, store,
                                 clock=lambda: self.now).run(until_empty=True)
