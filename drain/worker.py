@@ -679,7 +679,7 @@ class Drain:
                 log.warning("%s: copy source %s is gone", job.keys[0], src)
                 await self._write(self._forget_bucket_copy, job.ino)
                 return
-            record = dataclasses.replace(job.remote, key=parked, etag=copied.etag or "")
+            record = dataclasses.replace(job.remote, key=parked, etag=copied.etag or "", listed_modified_ns=0)
             if await self._write(durability.moved_aside, job.ino, src, record):
                 self.stats.copied_objects += 1
                 log.info("%s: renames form a cycle and the cache does not hold it; its object %s "

@@ -5,6 +5,7 @@ Found by (or written while extending) tests/test_model_drain.py's read-path rule
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
@@ -19,7 +20,7 @@ from test_drain_support import Crash, DrainEnv, MiB, RecStore, leaves
 from ckptfs.drain.filestore import FileStore
 from ckptfs.drain.store import MOVING_PREFIX, PutResult
 from ckptfs.drain.worker import object_metadata
-from ckptfs.fsmeta import durability
+from ckptfs.fsmeta import durability, schema
 from ckptfs.gateway.space import SpaceLimits
 
 
@@ -214,11 +215,20 @@ def test_a_crash_while_breaking_a_cycle_leaves_no_parked_object(tmp_path, monkey
         env.close()
 
 
-@pytest.mark.xfail(strict=True, reason="open: the LastModified a listing saw is kept in memory only")
+def assert_new_metadata_on_the_same_content_shows(other: Node) -> None:
+    """Another node re-puts ``ckpt/x`` with the same bytes and new mode/owner; the TTL passes."""
+    other.put("ckpt/x", b"same", object_metadata(stat.S_IFREG | 0o600, 1234, 5678, 10**18,
+                                              blake3=blake3.blake3(b"same").hexdigest()))
+    other.advance()
+    attr = other.walk("ckpt/x")
+    assert (attr.mode, attr.uid, attr.gid) == (stat.S_IFREG | 0o600, 1234, 5678)
+
+
 def test_new_metadata_on_the_same_content_shows_after_a_restart(tmp_path, bucket):  # noqa: F811
     """Found by test_model_drain: another node rewrites an object with the same content (the
     same ETag) and new metadata (mode, owner) after this node's gateway restarted; the change
-    is seen only through LastModified, which the node remembered in memory, so it never shows."""
+    is seen only through LastModified, which the node used to remember in memory only, so it
+    never showed. The remote record keeps it now."""
     first = Node(tmp_path / "cache", bucket)
     first.put("ckpt/x", b"same")  # another tool: no metadata
     assert first.walk("ckpt/x").mode == stat.S_IFREG | 0o644
@@ -226,10 +236,29 @@ def test_new_metadata_on_the_same_content_shows_after_a_restart(tmp_path, bucket
     second = Node(tmp_path / "cache", bucket)  # the gateway restarted
     try:
         second.now = first.now + 10**9  # (the listing's TTL passes)
-        second.put("ckpt/x", b"same", object_metadata(stat.S_IFREG | 0o600, 1234, 5678, 10**18,
-                                                    blake3=blake3.blake3(b"same").hexdigest()))
-        second.advance()
-        attr = second.walk("ckpt/x")
-        assert (attr.mode, attr.uid, attr.gid) == (stat.S_IFREG | 0o600, 1234, 5678)
+        assert_new_metadata_on_the_same_content_shows(second)
+    finally:
+        second.close()
+
+
+def test_a_remote_record_written_before_it_kept_last_modified_loads_and_learns_it(tmp_path, bucket):  # noqa: F811
+    """A cache from before remote records kept the listed LastModified: its records load, the
+    next listing records it, and a later same-content rewrite with new metadata shows."""
+    first = Node(tmp_path / "cache", bucket)
+    first.put("ckpt/x", b"same")
+    ino = first.walk("ckpt/x").ino
+
+    def as_old_record(txn):
+        old = json.loads(bytes(txn._get("remote", schema.ino_key(ino))))
+        assert old.pop("listed_modified_ns")
+        txn._put("remote", schema.ino_key(ino), json.dumps(old).encode())
+
+    first.meta.write(as_old_record)
+    first.close()
+    second = Node(tmp_path / "cache", bucket)
+    try:
+        second.now = first.now + 10**9
+        assert second.walk("ckpt/x").mode == stat.S_IFREG | 0o644  # loads; the listing records it
+        assert_new_metadata_on_the_same_content_shows(second)
     finally:
         second.close()
