@@ -20,12 +20,13 @@ from ckptfs.fsmeta import FileState, MetaStore, durability
 from ckptfs.fsmeta.check import Finding
 from ckptfs.fsmeta.layout import CacheDir
 
-from .store import ObjectStore
+from .store import MOVING_PREFIX, ObjectStore
 
 MISSING_OBJECT = "missing-object"  # durable per fsmeta, not in the bucket
 DIFFERENT_OBJECT = "different-object"  # in the bucket with another blake3 than fsmeta recorded
 TOMBSTONED_OBJECT = "tombstoned-object"  # queued for deletion, still there (informational)
 UNRECORDED_UPLOAD = "unrecorded-upload"  # an open multipart upload nobody records
+STRAY_PARKED_OBJECT = "stray-parked-object"  # below MOVING_PREFIX, neither a file's content nor queued for deletion
 
 #: Kinds that need nobody's attention (the drain resolves them on its own).
 INFORMATIONAL = frozenset({TOMBSTONED_OBJECT})
@@ -107,6 +108,12 @@ async def bucket_findings(cache: CacheDir, meta: MetaStore, store: ObjectStore) 
     for upload in await store.list_multipart_uploads(""):
         if upload.upload_id not in recorded:
             findings.append(_upload_finding(upload))
+    parked = [obj.key for obj in (await store.list(MOVING_PREFIX)).objects]
+    with meta.read() as txn:
+        # (the drain writes the intent tombstone before the copy, the record before dropping it)
+        stray = [k for k in parked if txn.owner_of_remote_key(k) is None and txn.get_tombstone(k) is None]
+    findings.extend(Finding(STRAY_PARKED_OBJECT, "parked by the drain to break a rename cycle; no file records it "
+                            "(a copy nobody needs)", key=key, repairable=True) for key in stray)
     return findings
 
 
@@ -121,6 +128,9 @@ async def repair(finding: Finding, meta: MetaStore, store: ObjectStore) -> bool:
     """Fix one repairable bucket finding; True when done."""
     if finding.kind == UNRECORDED_UPLOAD:
         await store.abort_multipart(finding.key, finding.upload_id)
+        return True
+    if finding.kind == STRAY_PARKED_OBJECT:
+        await store.delete(finding.key)
         return True
     if finding.kind in (MISSING_OBJECT, DIFFERENT_OBJECT) and finding.ino is not None:
         def requeue(txn) -> bool:

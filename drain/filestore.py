@@ -32,7 +32,9 @@ Layout under the root directory ``D``:
 
 Path components starting with ``.ckptfs-`` are reserved for sidecars, temp
 files and uploads (never listed); a key using one, or with an empty, ``.`` or
-``..`` component, raises :class:`~drain.store.InvalidObjectNameError`.
+``..`` component, raises :class:`~drain.store.InvalidObjectNameError`. The one
+exception is the drain's ``.ckptfs-moving/<name>`` (``MOVING_PREFIX``): plain objects,
+listed only by a listing whose prefix starts with it.
 Limitation vs S3: a key cannot be both an object and a prefix (``a`` and
 ``a/b``): that raises ``StoreError(code="KeyConflict")``.
 
@@ -57,6 +59,7 @@ import trio
 
 from . import localio
 from .store import (
+    MOVING_PREFIX,
     InvalidObjectNameError,
     ListResult,
     ObjectInfo,
@@ -79,6 +82,7 @@ __all__ = ["FileStore"]
 RESERVED = ".ckptfs-"
 MULTIPART_DIR = ".ckptfs-multipart"
 SIDECAR_PREFIX = ".ckptfs-m"
+MOVING_DIR = MOVING_PREFIX.rstrip("/")  # the one reserved directory that holds objects (the drain's)
 COPY_CHUNK = 4 << 20
 
 
@@ -176,12 +180,12 @@ class FileStore(ObjectStore):
                 return self.root
             raise InvalidObjectNameError(f"invalid key {key!r}", key=key)
         comps = body.split("/")
-        for c in comps:
+        for i, c in enumerate(comps):
             if c in ("", ".", ".."):
                 raise InvalidObjectNameError(
                     f"object key {key!r} has an empty, '.' or '..' component (not representable in file://)", key=key
                 )
-            if c.startswith(RESERVED):
+            if c.startswith(RESERVED) and not (i == 0 and c == MOVING_DIR and len(comps) == 2):
                 raise InvalidObjectNameError(f"object key {key!r} uses the reserved name prefix {RESERVED!r}", key=key)
         return os.path.join(self.root, *comps)
 
@@ -413,8 +417,8 @@ class FileStore(ObjectStore):
         out = []
         base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = os.path.join(self.root, *base_rel.split("/")) if base_rel else self.root
-        if any(c.startswith(RESERVED) for c in base_rel.split("/") if c):
-            return out
+        if base_rel != MOVING_DIR and any(c.startswith(RESERVED) for c in base_rel.split("/") if c):
+            return out  # (the drain's parked objects are listed only when asked for by name)
         stack = [(start, base_rel + "/" if base_rel else "")]
         while stack:
             d, rel = stack.pop()

@@ -61,6 +61,7 @@ __all__ = [
     "StoreLimits",
     "S3_LIMITS",
     "ObjectStore",
+    "MOVING_PREFIX",
     "validate_key",
     "validate_metadata",
     "validate_tags",
@@ -333,6 +334,12 @@ class UploadInfo(NamedTuple):
     key: str
     upload_id: str
     initiated: _dt.datetime  #: timezone-aware UTC
+
+
+#: Where the drain parks an object to break a rename cycle among files the cache does not
+#: hold (``.ckptfs-moving/<ino>-<random>``; DESIGN.md "Namespace → bucket"). Never a name the
+#: filesystem shows; each such object is an inode's remote record or an intent tombstone.
+MOVING_PREFIX = ".ckptfs-moving/"
 
 
 # --------------------------------------------------------------------------

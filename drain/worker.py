@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import posixpath
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from ckptfs.fsmeta.txn import Txn
 from . import schedule
 from .localio import SourceChangedError
 from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
-from .store import NotFoundError, ObjectStore, PartRecord, PutResult, StoreError
+from .store import MOVING_PREFIX, NotFoundError, ObjectStore, PartRecord, PutResult, StoreError
 from .upload import (
     Backoff,
     FileDigest,
@@ -193,6 +194,7 @@ class Drain:
         # requeued must not upload before the delete another task started has finished.
         self.invalidate_lock = trio.Lock()
         self.leaving_markers: dict[str, list[str]] = {}  # see _scan
+        self.cycle_breaks: set[int] = set()  # inodes whose object _move_aside parks (see _must_wait_for_sources)
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -437,6 +439,11 @@ class Drain:
                     and await self._write(self._must_wait_for_sources, job)):
                 # Another inode's content still sits at one of our keys: give its move
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
+                if job.ino in self.cycle_breaks:
+                    try:
+                        await self._move_aside(job)
+                    finally:
+                        self.cycle_breaks.discard(job.ino)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             if await self._read(self._must_wait_for_leaving_objects, job):
@@ -612,12 +619,13 @@ class Drain:
         the copy source of the inode now named ``a.bak``: uploading or copying onto
         ``a`` must wait until that copy is done. If the moves form a cycle (exchange,
         rotation), this inode stops depending on its own object — it is uploaded
-        again from the cache instead of copied — so the others can go first.
+        again from the cache instead of copied, or, if the cache does not hold it, its
+        object is moved aside first (:meth:`_move_aside`) — so the others can go first.
         """
         blocker = self._blocking_owner(txn, job.ino, job.keys)
         if blocker is None:
             return False
-        seen = {job.ino}
+        seen = {job.ino, blocker}
         cur = blocker
         for _ in range(1024):
             keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)]
@@ -641,6 +649,10 @@ class Drain:
                 and os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
         except FileNotFoundError:
             cached = False
+        if not cached and job.durable_in_bucket:
+            if not self.cycle_breaks & seen:  # (one object of the cycle moves aside, not each)
+                self.cycle_breaks.add(job.ino)
+            return True
         if not cached:
             log.warning("%s: its bucket object is needed elsewhere and the cache no longer holds it",
                         job.keys[0])
@@ -648,6 +660,32 @@ class Drain:
         log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
         durability.mark_needs_upload(txn, inode, self.clock())
         return True
+
+    async def _move_aside(self, job: FileJob) -> None:
+        """Break a rename cycle among files the cache does not hold: copy this file's object to
+        a key outside the namespace (``MOVING_PREFIX``) and record it there, so the inode whose
+        new name is the object's old key can go first. This file is copied from the parked
+        object later, and that commit tombstones it. The intent tombstone written first deletes
+        the parked object if a crash loses the record."""
+        src = job.remote.key
+        parked = f"{MOVING_PREFIX}{job.ino}-{secrets.token_hex(8)}"
+        self.busy_keys.add(parked)  # (the tombstone task leaves the intent alone meanwhile)
+        try:
+            await self._write(lambda txn: durability.begin_bucket_writes(txn, job.ino, [parked]))
+            meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, job.remote.blake3, job.rdev)
+            try:
+                copied = await self._move_copy(src, parked, meta)
+            except NotFoundError:
+                log.warning("%s: copy source %s is gone", job.keys[0], src)
+                await self._write(self._forget_bucket_copy, job.ino)
+                return
+            record = dataclasses.replace(job.remote, key=parked, etag=copied.etag or "", listed_modified_ns=0)
+            if await self._write(durability.moved_aside, job.ino, src, record):
+                self.stats.copied_objects += 1
+                log.info("%s: renames form a cycle and the cache does not hold it; its object %s "
+                         "moved aside to %s", job.keys[0], src, parked)
+        finally:
+            self.busy_keys.discard(parked)
 
     async def _move_copy(self, src: str, dst: str, meta: dict) -> PutResult:
         """Server-side copy for a rename: keeps the object's storage class and tags.

@@ -279,6 +279,26 @@ def end_bucket_writes(txn: Txn, ino: int, keys: list[str], live_keys: list[str],
             txn.add_tombstone(key)  # (a recorded dead upload in it still gets aborted)
 
 
+def moved_aside(txn: Txn, ino: int, old_key: str, record: RemoteRecord) -> bool:
+    """The drain copied the file's object from ``old_key`` to ``record.key`` (a key outside
+    the namespace, written under :func:`begin_bucket_writes`) to break a rename cycle: the
+    file's content is now there, and ``old_key`` is free for the inode that needs it.
+
+    False if the file changed meanwhile (another record, generation or no name): the copy
+    is not recorded and its intent becomes a plain tombstone (deleted)."""
+    inode = txn.get_inode(ino)
+    remote = txn.get_remote(ino)
+    if (inode is None or inode.nlink == 0 or remote is None or remote.key != old_key
+            or remote.generation != record.generation or inode.durable_generation != record.generation):
+        txn.add_tombstone(record.key)
+        return False
+    txn.put_remote(ino, record)
+    txn.remove_tombstone(record.key)
+    if txn.get_tombstone(old_key) is None:
+        txn.add_tombstone(old_key)  # nobody's content now: overwritten if it is a name, else deleted
+    return True
+
+
 def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
     """A tombstone that is the intent of a write (:func:`begin_bucket_writes`) whose inode is
     still pending under ``key``: not a delete (yet); the inode's upload decides."""

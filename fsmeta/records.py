@@ -125,6 +125,10 @@ class RemoteRecord(_JsonRecord):
     blake3: str
     generation: int
     etag: str = ""
+    # The LastModified a bucket listing showed for the object at ``key`` (ns; 0: not seen yet,
+    # e.g. just written by the drain): a same-content copy with new metadata (a chmod on
+    # another node) keeps the etag, and only this tells it, across gateway restarts.
+    listed_modified_ns: int = 0
 
 
 @dataclass

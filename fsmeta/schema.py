@@ -30,7 +30,14 @@ database      key                             value
 ``xattrs``    ino + name bytes                value bytes (user.* only)
 ``remote``    ino                             JSON :class:`ckptfs.fsmeta.records.RemoteRecord`:
                                               where this inode's content is in the bucket
-                                              (key, size, blake3, generation, etag)
+                                              (key, size, blake3, generation, etag,
+                                              ``listed_modified_ns``: the LastModified a
+                                              listing saw, 0 if none yet; records without
+                                              it load as 0); the
+                                              key is a name of the inode, an old one (a
+                                              rename not drained yet), or
+                                              ``.ckptfs-moving/<ino>-<hex>`` (parked by the
+                                              drain to break a rename cycle)
 ``remote_keys`` key bytes                     ino: reverse index of ``remote`` (an object
                                               that is some inode's content is never
                                               deleted by a tombstone)

@@ -20,8 +20,9 @@ A listing is merged into fsmeta in one write transaction:
   touched; an object whose key is queued for deletion (tombstone) or is still the
   content of another inode (the old name of a rename the drain has not copied yet) is
   not added back;
-* a settled file whose object changed (etag or LastModified) gets the new attributes
-  and a new generation (``durability.mark_remote_changed``) unless it is open here;
+* a settled file whose object changed (etag, or the LastModified the last listing saw,
+  kept in its remote record across restarts) gets the new attributes and a new
+  generation (``durability.mark_remote_changed``) unless it is open here;
 * a local name missing from the listing goes only if it is settled (not pending, nothing
   pending below a directory, no ancestor pending), not open here, and a HEAD (a LIST of
   the prefix for a directory) confirms that the object is gone: a listing that raced
@@ -104,6 +105,7 @@ class Plan:
 
     new: list[Listed] = field(default_factory=list)
     changed: list[tuple[int, Listed]] = field(default_factory=list)
+    first_seen: list[tuple[int, str]] = field(default_factory=list)  # files whose LastModified to record
     gone: list[tuple[bytes, int, str]] = field(default_factory=list)  # name, ino, key to confirm
 
     def heads(self) -> list[str]:
@@ -161,9 +163,6 @@ class RemoteNames:
         self._lock = threading.Lock()
         self._listed_at: dict[int, int] = {}  # dir ino -> clock() when its last listing started
         self._dir_locks: dict[int, threading.Lock] = {}
-        # ino -> the LastModified its attributes were taken at (a copy onto itself with new
-        # metadata, e.g. a chmod on another node, may keep the etag)
-        self._modified: dict[int, _dt.datetime] = {}
 
     @property
     def enabled(self) -> bool:
@@ -287,13 +286,8 @@ class RemoteNames:
                 self.mark_listed(dir_ino, started)
                 return
         listed_modified = {e.key: e.modified for e in entries.values()}
-        purge, stale, seen = meta.write(lambda txn: self._apply(txn, dir_ino, path, plan, fetched, present))
-        with self._lock:
-            for ino in purge:
-                self._modified.pop(ino, None)
-            for ino, key in stale + seen:
-                if listed_modified.get(key) is not None:
-                    self._modified[ino] = listed_modified[key]
+        purge, stale, _ = meta.write(lambda txn: self._apply(txn, dir_ino, path, plan, fetched, present,
+                                                             listed_modified))
         for ino in purge:
             self._lookups.maybe_purge(ino)
         for ino, _ in stale:
@@ -351,8 +345,6 @@ class RemoteNames:
     def _plan(self, txn: Txn, dir_ino: int, entries: dict[bytes, Listed], names_before: set[bytes],
               tombstones_before: set[str]) -> Plan:
         plan = Plan()
-        with self._lock:
-            modified = dict(self._modified)
         for name, entry in entries.items():
             local = txn.lookup(dir_ino, name)
             if local is None:
@@ -366,13 +358,12 @@ class RemoteNames:
             if (inode is None or inode.is_dir or record is None or record.key != entry.key
                     or not self._settled(txn, local, inode)):
                 continue  # a local directory, or a file not durable yet: the local one wins
-            seen = modified.get(local)
+            seen = record.listed_modified_ns or None
             if (record.etag and entry.etag and record.etag != entry.etag) or (
-                    seen is not None and entry.modified is not None and seen != entry.modified):
+                    seen is not None and entry.modified is not None and seen != _ns(entry.modified)):
                 plan.changed.append((local, entry))
             elif seen is None and entry.modified is not None:
-                with self._lock:
-                    self._modified[local] = entry.modified
+                plan.first_seen.append((local, entry.key))
         if durability.pending_at_or_above(txn, dir_ino):
             return plan  # renamed, its objects not moved yet: the listing is not the truth
         for name, child in txn.iter_dir(dir_ino):
@@ -429,9 +420,22 @@ class RemoteNames:
     # -- the write transaction ------------------------------------------------------------
 
     def _apply(self, txn: Txn, dir_ino: int, path: bytes, plan: Plan, fetched: dict[str, Fetched],
-               present: dict[str, bool]) -> tuple[list[int], list[tuple[int, str]], list[tuple[int, str]]]:
+               present: dict[str, bool], listed_modified: dict[str, _dt.datetime | None]
+               ) -> tuple[list[int], list[tuple[int, str]], list[tuple[int, str]]]:
         """Merge one listing: returns the inodes to purge, the (inode, key) of files made or with
         new content (no cache file of theirs is current), and of files only re-attributed."""
+        purge, stale, seen = self._merge(txn, dir_ino, path, plan, fetched, present)
+        for ino, key in stale + seen + plan.first_seen:
+            record = txn.get_remote(ino)
+            modified = listed_modified.get(key)
+            if record is not None and record.key == key and modified is not None:
+                # The listing's own value (a HEAD's may be rounded to the second on S3).
+                record.listed_modified_ns = _ns(modified)
+                txn.put_remote(ino, record)
+        return purge, stale, seen
+
+    def _merge(self, txn: Txn, dir_ino: int, path: bytes, plan: Plan, fetched: dict[str, Fetched],
+               present: dict[str, bool]) -> tuple[list[int], list[tuple[int, str]], list[tuple[int, str]]]:
         purge: list[int] = []
         stale: list[tuple[int, str]] = []  # new or with new content: no cache file is current
         seen: list[tuple[int, str]] = []  # attributes refreshed, content unchanged

@@ -251,10 +251,10 @@ class DrainEnv:
     def store(self):
         return open_store(self.settings.bucket_url, checksum=self.settings.checksum)
 
-    def listing(self) -> list[str]:
+    def listing(self, prefix: str = "") -> list[str]:
         async def run():
             async with self.store() as st:
-                return [o.key for o in (await st.list()).objects]
+                return [o.key for o in (await st.list(prefix)).objects]
 
         return trio.run(run)
 

@@ -7,6 +7,7 @@ crash would; the command runs as a user runs it, in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -16,6 +17,7 @@ import trio
 
 from conftest import REPO, ckptfs_cmd
 
+from ckptfs.drain.store import MOVING_PREFIX
 from ckptfs.fsmeta import schema
 from ckptfs.fsmeta.check import fsmeta_problems
 
@@ -166,6 +168,28 @@ def test_unrecorded_multipart_upload_is_aborted_and_tombstoned_keys_are_informat
     assert code == 0, "a tombstoned key still present is informational: the drain deletes it"
     assert denv.open_uploads() == []
     assert not kinds(report)["tombstoned-object"][0]["repaired"]
+
+
+def test_an_object_parked_to_break_a_rename_cycle_that_nobody_records_is_found_and_deleted(denv):  # noqa: F811
+    """An object below the drain's parking key space that no file records and no tombstone
+    names (left by hand, or by a drain of another fsmeta) is found and deleted; one a file
+    records is the file's content and is left alone."""
+    a_drained_cache(denv)
+    stray, recorded = MOVING_PREFIX + "7-stray", MOVING_PREFIX + "8-recorded"
+
+    async def park():
+        async with denv.store() as store:
+            for key in (stray, recorded):
+                await store.put_object(key, b"parked")
+
+    trio.run(park)
+    ino = denv.ino("run/step_1/shard0")
+    denv.meta.write(lambda txn: txn.put_remote(ino, dataclasses.replace(txn.get_remote(ino), key=recorded)))
+    code, report = fsck_json(denv, "--bucket")
+    assert code == 1 and [f["key"] for f in kinds(report)["stray-parked-object"]] == [stray]
+    code, report = fsck_json(denv, "--bucket", "--repair")
+    assert kinds(report)["stray-parked-object"][0]["repaired"]
+    assert denv.listing(MOVING_PREFIX) == [recorded]
 
 
 def test_broken_fsmeta_invariant_is_reported(denv):  # noqa: F811

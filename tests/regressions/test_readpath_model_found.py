@@ -5,6 +5,7 @@ Found by (or written while extending) tests/test_model_drain.py's read-path rule
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
@@ -14,11 +15,12 @@ import pytest
 import trio
 from conftest import RENAME_EXCHANGE
 from test_core_remote_names import Node, bucket, fast_drain, node  # noqa: F401 - its fixtures
-from test_drain_support import DrainEnv, MiB
+from test_drain_support import Crash, DrainEnv, MiB, RecStore, leaves
 
 from ckptfs.drain.filestore import FileStore
-from ckptfs.drain.store import PutResult
+from ckptfs.drain.store import MOVING_PREFIX, PutResult
 from ckptfs.drain.worker import object_metadata
+from ckptfs.fsmeta import durability, schema
 from ckptfs.gateway.space import SpaceLimits
 
 
@@ -127,31 +129,106 @@ def test_closing_an_empty_remote_file_opened_without_a_read_returns(node):  # no
     assert node.core.getxattr(node.walk("ckpt/empty").ino, b"user.ckptfs.state") == b"durable"  # checked
 
 
-@pytest.mark.xfail(strict=True, reason="open: a rename cycle of files the cache no longer holds never drains "
-                                       "(the drain waits for a cache copy to break the cycle)")
+def evicted_pair(tmp_path) -> DrainEnv:
+    """``a`` (b"aaa") and ``b`` (b"bbb") uploaded, then evicted: the cache no longer holds them."""
+    env = DrainEnv(tmp_path, settle_seconds=0)
+    env.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    env.write_file("a", b"aaa")
+    env.write_file("b", b"bbb")
+    env.drain()
+    assert env.core.evict(env.ino("a")) and env.core.evict(env.ino("b"))
+    return env
+
+
+def parked_objects(env: DrainEnv) -> list[str]:
+    return env.listing(MOVING_PREFIX)
+
+
 def test_two_evicted_files_exchanged_reach_the_bucket(tmp_path):
     """Found by test_model_drain (evict, then RENAME_EXCHANGE of checkpoint directories).
-    Each object is needed at the other's key; with no cache copy to upload from, the drain
-    waits for ever and the bucket keeps both names' old content."""
-    env = DrainEnv(tmp_path, settle_seconds=0)
+    Each object is needed at the other's key and the cache holds neither: the drain used to
+    wait for ever, leaving both names' old content in the bucket. It parks one object aside."""
+    env = evicted_pair(tmp_path)
     try:
-        env.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
-        env.write_file("a", b"aaa")
-        env.write_file("b", b"bbb")
-        env.drain()
-        assert env.core.evict(env.ino("a")) and env.core.evict(env.ino("b"))
         env.rename("a", "b", RENAME_EXCHANGE)
         env.drain(timeout=5)
         assert (env.bucket / "a").read_bytes() == b"bbb" and (env.bucket / "b").read_bytes() == b"aaa"
+        assert env.listing() == ["a", "b"] and parked_objects(env) == []  # the parked copy is gone
+        assert env.pending() == {} and env.tombstones() == {}
     finally:
         env.close()
 
 
-@pytest.mark.xfail(strict=True, reason="open: the LastModified a listing saw is kept in memory only")
+def test_three_evicted_files_moved_round_reach_the_bucket(tmp_path):
+    """``mv a t; mv b a; mv c b; mv t c`` before the drain ran, none of them in the cache."""
+    env = evicted_pair(tmp_path)
+    try:
+        env.write_file("c", b"ccc")
+        env.drain()
+        assert env.core.evict(env.ino("c"))
+        for old, new in [("a", "t"), ("b", "a"), ("c", "b"), ("t", "c")]:
+            env.rename(old, new)
+        env.drain(timeout=5)
+        assert {k: (env.bucket / k).read_bytes() for k in "abc"} == {"a": b"bbb", "b": b"ccc", "c": b"aaa"}
+        assert env.listing() == ["a", "b", "c"] and parked_objects(env) == []
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("crash_after", ["the parked copy", "recording it"])
+def test_a_crash_while_breaking_a_cycle_leaves_no_parked_object(tmp_path, monkeypatch, crash_after):
+    """A drain killed after copying an object aside, before or after fsmeta records it: the
+    next drain ends the cycle all the same and no parked object is left in the bucket."""
+    env = evicted_pair(tmp_path)
+    try:
+        env.rename("a", "b", RENAME_EXCHANGE)
+        rec = RecStore(None)
+        if crash_after == "the parked copy":
+            async def crash_after_parking(key, extra, result):
+                if key.startswith(MOVING_PREFIX):
+                    raise Crash()
+
+            rec.after_hooks["copy"] = crash_after_parking
+        else:
+            recorded = []
+
+            def record(txn, *args, moved_aside=durability.moved_aside):
+                recorded.append(moved_aside(txn, *args))
+                return recorded[-1]
+
+            async def crash_once_recorded(key, extra):
+                if recorded:
+                    raise Crash()
+
+            monkeypatch.setattr(durability, "moved_aside", record)
+            rec.hooks["head"] = rec.hooks["copy"] = crash_once_recorded
+        with pytest.raises(BaseException) as crashed:
+            env.drain(rec=rec, timeout=5)
+        assert any(isinstance(e, Crash) for e in leaves(crashed.value))
+        assert len(parked_objects(env)) == 1
+        monkeypatch.undo()
+        env.drain(timeout=5)
+        assert (env.bucket / "a").read_bytes() == b"bbb" and (env.bucket / "b").read_bytes() == b"aaa"
+        assert env.listing() == ["a", "b"] and parked_objects(env) == []
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
+
+
+def assert_new_metadata_on_the_same_content_shows(other: Node) -> None:
+    """Another node re-puts ``ckpt/x`` with the same bytes and new mode/owner; the TTL passes."""
+    other.put("ckpt/x", b"same", object_metadata(stat.S_IFREG | 0o600, 1234, 5678, 10**18,
+                                              blake3=blake3.blake3(b"same").hexdigest()))
+    other.advance()
+    attr = other.walk("ckpt/x")
+    assert (attr.mode, attr.uid, attr.gid) == (stat.S_IFREG | 0o600, 1234, 5678)
+
+
 def test_new_metadata_on_the_same_content_shows_after_a_restart(tmp_path, bucket):  # noqa: F811
     """Found by test_model_drain: another node rewrites an object with the same content (the
     same ETag) and new metadata (mode, owner) after this node's gateway restarted; the change
-    is seen only through LastModified, which the node remembered in memory, so it never shows."""
+    is seen only through LastModified, which the node used to remember in memory only, so it
+    never showed. The remote record keeps it now."""
     first = Node(tmp_path / "cache", bucket)
     first.put("ckpt/x", b"same")  # another tool: no metadata
     assert first.walk("ckpt/x").mode == stat.S_IFREG | 0o644
@@ -159,10 +236,29 @@ def test_new_metadata_on_the_same_content_shows_after_a_restart(tmp_path, bucket
     second = Node(tmp_path / "cache", bucket)  # the gateway restarted
     try:
         second.now = first.now + 10**9  # (the listing's TTL passes)
-        second.put("ckpt/x", b"same", object_metadata(stat.S_IFREG | 0o600, 1234, 5678, 10**18,
-                                                    blake3=blake3.blake3(b"same").hexdigest()))
-        second.advance()
-        attr = second.walk("ckpt/x")
-        assert (attr.mode, attr.uid, attr.gid) == (stat.S_IFREG | 0o600, 1234, 5678)
+        assert_new_metadata_on_the_same_content_shows(second)
+    finally:
+        second.close()
+
+
+def test_a_remote_record_written_before_it_kept_last_modified_loads_and_learns_it(tmp_path, bucket):  # noqa: F811
+    """A cache from before remote records kept the listed LastModified: its records load, the
+    next listing records it, and a later same-content rewrite with new metadata shows."""
+    first = Node(tmp_path / "cache", bucket)
+    first.put("ckpt/x", b"same")
+    ino = first.walk("ckpt/x").ino
+
+    def as_old_record(txn):
+        old = json.loads(bytes(txn._get("remote", schema.ino_key(ino))))
+        assert old.pop("listed_modified_ns")
+        txn._put("remote", schema.ino_key(ino), json.dumps(old).encode())
+
+    first.meta.write(as_old_record)
+    first.close()
+    second = Node(tmp_path / "cache", bucket)
+    try:
+        second.now = first.now + 10**9
+        assert second.walk("ckpt/x").mode == stat.S_IFREG | 0o644  # loads; the listing records it
+        assert_new_metadata_on_the_same_content_shows(second)
     finally:
         second.close()
