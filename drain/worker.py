@@ -439,10 +439,12 @@ class Drain:
                 # the slot (with concurrency 1 we would otherwise be picked first forever).
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if await self._read(self._must_wait_for_leaving_objects, job):
+            # Markers first: a marker moving away (RENAME_EXCHANGE of two checkpoints) is deleted
+            # here, not waited for, since its move may wait for this very file.
+            if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if not await self._invalidate_markers(job):
+            if await self._read(self._must_wait_for_leaving_objects, job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
@@ -540,6 +542,15 @@ class Drain:
                     break
                 d = posixpath.dirname(d)
         for d in dirs:
+            if d:
+                # Markers whose object is in ``d`` but whose inode was renamed away (not moved
+                # in the bucket yet): they still vouch for what is in ``d``.
+                for key, owner in txn.remote_keys_below(d + "/"):
+                    if posixpath.dirname(key) == d and schedule.is_marker(key, self.markers):
+                        inode = txn.get_inode(owner)
+                        if (inode is not None and inode.nlink > 0
+                                and (inode.state != FileState.REMOTE or inode.is_symlink)):
+                            out[owner] = key
             dir_ino = txn.resolve(d.encode("utf-8", "surrogateescape")) if d else ROOT_INO
             if dir_ino is None:
                 continue
@@ -646,7 +657,7 @@ class Drain:
                         job.keys[0])
             return True
         log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
-        durability.mark_needs_upload(txn, inode, self.clock())
+        durability.mark_reupload_keeping_object(txn, inode, self.clock())
         return True
 
     async def _move_copy(self, src: str, dst: str, meta: dict) -> PutResult:

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
 from ckptfs.drain.store import StoreError  # noqa: E402
-from ckptfs.gateway.core import SetattrRequest  # noqa: E402
+from ckptfs.gateway.core import RENAME_EXCHANGE, SetattrRequest  # noqa: E402
 
 
 def marker_checker(env, directory: str, saves: dict[bytes, dict[str, bytes]]):
@@ -87,6 +87,33 @@ def test_resaving_a_checkpoint_whose_marker_upload_a_crash_cut_off_never_shows_t
     denv.drain(rec=recording(denv, check))
     assert seen == []
     assert denv.object_bytes("ck/.metadata") == b"save 2"
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_exchanging_two_saved_checkpoints_never_shows_a_marker_over_the_other_saves_shards(denv, concurrency):  # noqa: F811
+    """Found by the long hunts (save ck0, save ck2, RENAME_EXCHANGE ck2 ck0): the drain copied
+    ck2/s0 over ck0/s0 while ck0/.metadata of the first save was still in the bucket. The
+    rename cycle of the shards had dropped the record of one shard's object, so the drain no
+    longer knew the copy replaced an object, nor which marker vouched for it."""
+    first, other = b"first save", b"the other save"
+    denv.write_file("ck0/s0", first)
+    denv.write_file("ck0/.metadata", b"save 1")
+    denv.write_file("ck2/s0", other)
+    denv.write_file("ck2/.metadata", b"save 2")
+    denv.drain()
+    saves = {b"save 1": {"s0": first}, b"save 2": {"s0": other}}
+    seen0, check0 = marker_checker(denv, "ck0", saves)
+    seen2, check2 = marker_checker(denv, "ck2", saves)
+
+    async def check_both(*args):
+        await check0(*args)
+        await check2(*args)
+
+    denv.rename("ck2", "ck0", RENAME_EXCHANGE)
+    denv.drain(rec=recording(denv, check_both), concurrency=concurrency)
+    assert seen0 + seen2 == []
+    assert [denv.object_bytes(k) for k in ("ck0/s0", "ck0/.metadata", "ck2/s0", "ck2/.metadata")] == [
+        other, b"save 2", first, b"save 1"]
 
 
 def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_bucket(denv):  # noqa: F811
