@@ -444,6 +444,9 @@ class Drain:
             if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
+            if not await self._drop_moved_dir_markers(job):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
             if await self._read(self._must_wait_for_leaving_objects, job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
@@ -509,6 +512,44 @@ class Drain:
                         and not schedule.below_marker(key, names, self.markers)):
                     return True
         return False
+
+    @staticmethod
+    def _moved_dir_markers(txn: Txn, job: FileJob) -> list[tuple[int, str]]:
+        """(directory inode, ``k/``) for each of ``job``'s keys ``k`` that still has the marker
+        of a directory renamed away from that name."""
+        out = []
+        for key in job.keys:
+            marker = key + "/"
+            owner = txn.owner_of_remote_key(marker)
+            inode = txn.get_inode(owner) if owner is not None else None
+            if inode is None or not inode.is_dir:
+                continue
+            path = txn.path_of(owner)
+            if path is None or path.decode("utf-8", "surrogateescape") != key:
+                out.append((owner, marker))
+        return out
+
+    async def _drop_moved_dir_markers(self, job: FileJob) -> bool:
+        """A file takes the name of an empty directory that moved (``RENAME_EXCHANGE`` of a file
+        and an empty directory): the old ``name/`` marker is deleted now, not moved. Its move
+        (a marker at the directory's new name) waits for the file's old object to leave, which
+        waits for this file: the directory puts its marker afresh instead. False: that marker
+        is being written or deleted right now; try again later."""
+        moved = await self._read(self._moved_dir_markers, job)
+        if any(marker in self.busy_keys or marker in self.deleting_keys for _, marker in moved):
+            return False
+        for dir_ino, marker in moved:
+            log.info("%s: its directory moved and a file takes the name; deleting it", marker)
+            await self._retry(f"delete {marker}", lambda marker=marker: self.store.delete(marker))
+            self.stats.deleted_objects += 1
+
+            def forget(txn: Txn, dir_ino=dir_ino, marker=marker) -> None:
+                remote = txn.get_remote(dir_ino)
+                if remote is not None and remote.key == marker:
+                    txn.delete_remote(dir_ino)  # the directory's pending round puts its new marker
+
+            await self._write(forget)
+        return True
 
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
         """Record the keys this reconcile writes before it writes them (a crash before the

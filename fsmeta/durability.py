@@ -322,6 +322,12 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
             return True
         if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
             return True
+    else:  # a directory's marker ``d/``: a file object ``d`` on its way out (RENAME_EXCHANGE)
+        if txn.get_tombstone(base) is not None:
+            return True
+        owner = txn.owner_of_remote_key(base)
+        if owner is not None and leaving(base, owner):
+            return True
     parts = base.split("/")
     for i in range(1, len(parts)):
         above = "/".join(parts[:i])

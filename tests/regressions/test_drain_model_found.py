@@ -223,6 +223,20 @@ def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  
     assert [e for e in rec.events if e[2] == "error"] == []
 
 
+def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # noqa: F811
+    """Found by the long hunts (mkdir a; write d; drain; RENAME_EXCHANGE a d). The file's copy
+    to ``a`` waited for the old marker ``a/`` to move, whose move (a marker ``d/``) waited for
+    the file object ``d`` to move: on a file:// bucket the drain retried KeyConflict for ever."""
+    denv.mkdir("a")
+    denv.write_file("d", b"file")
+    denv.drain()
+    denv.rename("a", "d", RENAME_EXCHANGE)
+    rec = denv.drain(timeout=10)
+    assert sorted(denv.listing()) == ["a", "d/"]
+    assert denv.object_bytes("a") == b"file"
+    assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
+
+
 def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
     denv.write_file("ck0/s0", b"first save")
     denv.write_file("ck0/.metadata", b"save 1")
