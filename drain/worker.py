@@ -763,7 +763,8 @@ class Drain:
                 if job.upload.phase == int(UploadPhase.COMPLETING):
                     done = await self._completed_before_crash(job.upload)
                     if done is not None:
-                        return done, job.upload.blake3, job.size
+                        etag = await self._metadata_since_created(key, meta, done, job.upload.blake3)
+                        return etag, job.upload.blake3, job.size
                 resume = job.upload
             else:
                 await self._abort_recorded(job.ino, job.upload)
@@ -811,7 +812,21 @@ class Drain:
         if job.prior_attempt or (result.multipart and journal.creates > 1):
             keep = result.upload_id if result.multipart else None
             job.unknown_uploads_left = not await self._abort_orphans(key, keep)
-        return result.etag, result.blake3, job.size
+        etag = result.etag
+        if resume is not None:
+            etag = await self._metadata_since_created(key, meta, etag, result.blake3)
+        return etag, result.blake3, job.size
+
+    async def _metadata_since_created(self, key: str, meta: dict, etag: str, blake3: str) -> str:
+        """A multipart upload resumed after a crash carries the metadata of its
+        CreateMultipartUpload: a chmod, chown or utimes since then is copied onto the object
+        (in place, as for new metadata). Returns the object's ETag."""
+        info = await self._retry(f"head {key}", lambda: self.store.head(key))
+        if info is None or all(info.metadata.get(k) == v for k, v in meta.items()):
+            return etag
+        log.info("%s: its metadata changed since its upload was created; copying it in place", key)
+        copied = await self._move_copy(key, key, {**meta, "blake3": blake3} if blake3 else meta)
+        return copied.etag
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:
         try:

@@ -8,6 +8,7 @@ with it). None is open now.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import pytest
@@ -221,6 +222,18 @@ def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  
     # ``b`` waited for ``b/x`` to move instead of failing (KeyConflict: an error shown, a retry
     # seconds later)
     assert [e for e in rec.events if e[2] == "error"] == []
+
+
+@pytest.mark.parametrize("crash_after", ["upload_part", "complete_multipart"])
+def test_a_chmod_after_a_drain_crash_mid_upload_reaches_the_object(denv, crash_after):  # noqa: F811
+    """Found by the long hunts (a big file, the drain killed in its multipart upload, chmod,
+    drain): the resumed upload kept the mode of its CreateMultipartUpload."""
+    ino = denv.write_file("a/b", b"x" * (6 * MiB))
+    drain_crashing_after(denv, crash_after)
+    denv.core.setattr(ino, SetattrRequest(mode=0o755))
+    denv.drain()
+    assert denv.head("a/b").metadata["mode"] == str(stat.S_IFREG | 0o755)
+    assert denv.object_bytes("a/b") == b"x" * (6 * MiB)
 
 
 def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # noqa: F811
