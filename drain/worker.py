@@ -752,6 +752,9 @@ class Drain:
         if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).
             content = job.target if job.is_symlink or job.special else b""
+            if job.upload is not None:
+                # A multipart upload of an earlier, bigger generation (cut off by a crash).
+                await self._abort_recorded(job.ino, job.upload)
             result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
             if job.prior_attempt:
                 job.unknown_uploads_left = not await self._abort_orphans(key, None)

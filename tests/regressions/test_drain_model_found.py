@@ -236,6 +236,17 @@ def test_a_chmod_after_a_drain_crash_mid_upload_reaches_the_object(denv, crash_a
     assert denv.object_bytes("a/b") == b"x" * (6 * MiB)
 
 
+def test_a_big_file_emptied_after_a_drain_crash_mid_upload_leaves_no_upload_open(denv):  # noqa: F811
+    """Found by the long hunts (a big shard, the drain killed in its multipart upload, the
+    shard saved again empty): the empty upload forgot the recorded multipart upload."""
+    denv.write_file("ck/s0", b"x" * (6 * MiB))
+    drain_crashing_after(denv, "upload_part")
+    denv.write_file("ck/s0", b"")
+    denv.drain()
+    assert denv.object_bytes("ck/s0") == b""
+    assert denv.open_uploads() == []
+
+
 def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # noqa: F811
     """Found by the long hunts (mkdir a; write d; drain; RENAME_EXCHANGE a d). The file's copy
     to ``a`` waited for the old marker ``a/`` to move, whose move (a marker ``d/``) waited for
