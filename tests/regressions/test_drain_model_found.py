@@ -247,6 +247,19 @@ def test_a_big_file_emptied_after_a_drain_crash_mid_upload_leaves_no_upload_open
     assert denv.open_uploads() == []
 
 
+def test_a_write_of_no_bytes_past_the_end_changes_no_size(denv):  # noqa: F811
+    """Found by the long hunts (a write of b"" at offset 3 of an empty, drained file): the core
+    made the file 3 bytes long (zeros), which the bucket never got. POSIX: no change."""
+    ino = denv.write_file("b", b"")
+    denv.drain()
+    fh = denv.core.open(ino, os.O_WRONLY)
+    assert denv.core.write(fh, 3, b"") == 0
+    denv.core.release(fh)
+    assert denv.core.getattr(ino).size == 0
+    denv.drain()
+    assert denv.object_bytes("b") == b""
+
+
 def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # noqa: F811
     """Found by the long hunts (mkdir a; write d; drain; RENAME_EXCHANGE a d). The file's copy
     to ``a`` waited for the old marker ``a/`` to move, whose move (a marker ``d/``) waited for
