@@ -446,10 +446,15 @@ class Drain:
                         self.cycle_breaks.discard(job.ino)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if await self._read(self._must_wait_for_leaving_objects, job):
+            # Markers first: a marker moving away (RENAME_EXCHANGE of two checkpoints) is deleted
+            # here, not waited for, since its move may wait for this very file.
+            if not await self._invalidate_markers(job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
-            if not await self._invalidate_markers(job):
+            if not await self._drop_moved_dir_markers(job):
+                self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                return
+            if await self._read(self._must_wait_for_leaving_objects, job):
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
@@ -515,6 +520,44 @@ class Drain:
                     return True
         return False
 
+    @staticmethod
+    def _moved_dir_markers(txn: Txn, job: FileJob) -> list[tuple[int, str]]:
+        """(directory inode, ``k/``) for each of ``job``'s keys ``k`` that still has the marker
+        of a directory renamed away from that name."""
+        out = []
+        for key in job.keys:
+            marker = key + "/"
+            owner = txn.owner_of_remote_key(marker)
+            inode = txn.get_inode(owner) if owner is not None else None
+            if inode is None or not inode.is_dir:
+                continue
+            path = txn.path_of(owner)
+            if path is None or path.decode("utf-8", "surrogateescape") != key:
+                out.append((owner, marker))
+        return out
+
+    async def _drop_moved_dir_markers(self, job: FileJob) -> bool:
+        """A file takes the name of an empty directory that moved (``RENAME_EXCHANGE`` of a file
+        and an empty directory): the old ``name/`` marker is deleted now, not moved. Its move
+        (a marker at the directory's new name) waits for the file's old object to leave, which
+        waits for this file: the directory puts its marker afresh instead. False: that marker
+        is being written or deleted right now; try again later."""
+        moved = await self._read(self._moved_dir_markers, job)
+        if any(marker in self.busy_keys or marker in self.deleting_keys for _, marker in moved):
+            return False
+        for dir_ino, marker in moved:
+            log.info("%s: its directory moved and a file takes the name; deleting it", marker)
+            await self._retry(f"delete {marker}", lambda marker=marker: self.store.delete(marker))
+            self.stats.deleted_objects += 1
+
+            def forget(txn: Txn, dir_ino=dir_ino, marker=marker) -> None:
+                remote = txn.get_remote(dir_ino)
+                if remote is not None and remote.key == marker:
+                    txn.delete_remote(dir_ino)  # the directory's pending round puts its new marker
+
+            await self._write(forget)
+        return True
+
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
         """Record the keys this reconcile writes before it writes them (a crash before the
         commit must not leave an object, or a multipart upload, nobody knows about)."""
@@ -547,6 +590,15 @@ class Drain:
                     break
                 d = posixpath.dirname(d)
         for d in dirs:
+            if d:
+                # Markers whose object is in ``d`` but whose inode was renamed away (not moved
+                # in the bucket yet): they still vouch for what is in ``d``.
+                for key, owner in txn.remote_keys_below(d + "/"):
+                    if posixpath.dirname(key) == d and schedule.is_marker(key, self.markers):
+                        inode = txn.get_inode(owner)
+                        if (inode is not None and inode.nlink > 0
+                                and (inode.state != FileState.REMOTE or inode.is_symlink)):
+                            out[owner] = key
             dir_ino = txn.resolve(d.encode("utf-8", "surrogateescape")) if d else ROOT_INO
             if dir_ino is None:
                 continue
@@ -658,7 +710,7 @@ class Drain:
                         job.keys[0])
             return True
         log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
-        durability.mark_needs_upload(txn, inode, self.clock())
+        durability.mark_reupload_keeping_object(txn, inode, self.clock())
         return True
 
     async def _move_aside(self, job: FileJob) -> None:
@@ -738,6 +790,9 @@ class Drain:
         if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).
             content = job.target if job.is_symlink or job.special else b""
+            if job.upload is not None:
+                # A multipart upload of an earlier, bigger generation (cut off by a crash).
+                await self._abort_recorded(job.ino, job.upload)
             result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
             if job.prior_attempt:
                 job.unknown_uploads_left = not await self._abort_orphans(key, None)
@@ -749,7 +804,8 @@ class Drain:
                 if job.upload.phase == int(UploadPhase.COMPLETING):
                     done = await self._completed_before_crash(job.upload)
                     if done is not None:
-                        return done, job.upload.blake3, job.size
+                        etag = await self._metadata_since_created(key, meta, done, job.upload.blake3)
+                        return etag, job.upload.blake3, job.size
                 resume = job.upload
             else:
                 await self._abort_recorded(job.ino, job.upload)
@@ -797,7 +853,21 @@ class Drain:
         if job.prior_attempt or (result.multipart and journal.creates > 1):
             keep = result.upload_id if result.multipart else None
             job.unknown_uploads_left = not await self._abort_orphans(key, keep)
-        return result.etag, result.blake3, job.size
+        etag = result.etag
+        if resume is not None:
+            etag = await self._metadata_since_created(key, meta, etag, result.blake3)
+        return etag, result.blake3, job.size
+
+    async def _metadata_since_created(self, key: str, meta: dict, etag: str, blake3: str) -> str:
+        """A multipart upload resumed after a crash carries the metadata of its
+        CreateMultipartUpload: a chmod, chown or utimes since then is copied onto the object
+        (in place, as for new metadata). Returns the object's ETag."""
+        info = await self._retry(f"head {key}", lambda: self.store.head(key))
+        if info is None or all(info.metadata.get(k) == v for k, v in meta.items()):
+            return etag
+        log.info("%s: its metadata changed since its upload was created; copying it in place", key)
+        copied = await self._move_copy(key, key, {**meta, "blake3": blake3} if blake3 else meta)
+        return copied.etag
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:
         try:

@@ -9,6 +9,7 @@ drain both call them, and nothing else assigns ``Inode.state``::
                           ^  ^                                      │ upload_superseded           │
                           │  └──────────────────────────────────────┘ (generation moved)          │
                           └──── mark_dirty / mark_needs_upload / mark_meta_changed ───────────────┘
+                                    / mark_reupload_keeping_object (a rename cycle)
   REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
   (listing) ──mark_remote──> REMOTE;  REMOTE|CACHED_CLEAN|DURABLE ──mark_remote_changed──> REMOTE
   REMOTE ──mark_remote_lost──> (same, error RemoteObjectGone: its object vanished before a move)
@@ -140,6 +141,17 @@ def mark_durable(txn: Txn, inode: Inode, generation: int, record: RemoteRecord) 
 def mark_needs_upload(txn: Txn, inode: Inode, now_ns: int) -> None:
     """The bucket no longer has (or may no longer be used for) this content: upload it again."""
     txn.delete_remote(inode.ino)
+    inode.durable_generation = 0
+    inode.state = FileState.DIRTY
+    txn.put_inode(inode)
+    _queue(txn, inode.ino, now_ns, DATA)
+
+
+def mark_reupload_keeping_object(txn: Txn, inode: Inode, now_ns: int) -> None:
+    """A rename cycle: upload it again from the cache instead of copying its object. The
+    object stays on record (``remote``, the owner of its key) until the new upload commits:
+    it is still in the bucket, and a marker that vouches for it must leave before another
+    inode's content replaces it."""
     inode.durable_generation = 0
     inode.state = FileState.DIRTY
     txn.put_inode(inode)
@@ -329,6 +341,12 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
         if next(txn.tombstones_below(base + "/"), None) is not None:
             return True
         if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
+            return True
+    else:  # a directory's marker ``d/``: a file object ``d`` on its way out (RENAME_EXCHANGE)
+        if txn.get_tombstone(base) is not None:
+            return True
+        owner = txn.owner_of_remote_key(base)
+        if owner is not None and leaving(base, owner):
             return True
     parts = base.split("/")
     for i in range(1, len(parts)):

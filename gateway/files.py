@@ -231,7 +231,7 @@ class OpenFiles:
             due = of.write_behind.note(offset, written)
             now = self._state.clock()
             with self._state.lock:
-                if offset + written > of.size:
+                if written and offset + written > of.size:  # (a write of no bytes extends nothing)
                     of.size = offset + written
                 of.mtime_ns = of.ctime_ns = now
                 of.attrs_dirty = True

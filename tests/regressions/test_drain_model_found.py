@@ -8,6 +8,7 @@ with it). None is open now.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import pytest
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
 from ckptfs.drain.store import StoreError  # noqa: E402
-from ckptfs.gateway.core import SetattrRequest  # noqa: E402
+from ckptfs.gateway.core import RENAME_EXCHANGE, SetattrRequest  # noqa: E402
 
 
 def marker_checker(env, directory: str, saves: dict[bytes, dict[str, bytes]]):
@@ -87,6 +88,33 @@ def test_resaving_a_checkpoint_whose_marker_upload_a_crash_cut_off_never_shows_t
     denv.drain(rec=recording(denv, check))
     assert seen == []
     assert denv.object_bytes("ck/.metadata") == b"save 2"
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_exchanging_two_saved_checkpoints_never_shows_a_marker_over_the_other_saves_shards(denv, concurrency):  # noqa: F811
+    """Found by the long hunts (save ck0, save ck2, RENAME_EXCHANGE ck2 ck0): the drain copied
+    ck2/s0 over ck0/s0 while ck0/.metadata of the first save was still in the bucket. The
+    rename cycle of the shards had dropped the record of one shard's object, so the drain no
+    longer knew the copy replaced an object, nor which marker vouched for it."""
+    first, other = b"first save", b"the other save"
+    denv.write_file("ck0/s0", first)
+    denv.write_file("ck0/.metadata", b"save 1")
+    denv.write_file("ck2/s0", other)
+    denv.write_file("ck2/.metadata", b"save 2")
+    denv.drain()
+    saves = {b"save 1": {"s0": first}, b"save 2": {"s0": other}}
+    seen0, check0 = marker_checker(denv, "ck0", saves)
+    seen2, check2 = marker_checker(denv, "ck2", saves)
+
+    async def check_both(*args):
+        await check0(*args)
+        await check2(*args)
+
+    denv.rename("ck2", "ck0", RENAME_EXCHANGE)
+    denv.drain(rec=recording(denv, check_both), concurrency=concurrency)
+    assert seen0 + seen2 == []
+    assert [denv.object_bytes(k) for k in ("ck0/s0", "ck0/.metadata", "ck2/s0", "ck2/.metadata")] == [
+        other, b"save 2", first, b"save 1"]
 
 
 def test_a_file_replaced_by_a_directory_of_the_same_name_is_deleted_from_the_bucket(denv):  # noqa: F811
@@ -194,6 +222,56 @@ def test_a_file_renamed_onto_a_moved_directorys_name_reaches_the_bucket(denv):  
     # ``b`` waited for ``b/x`` to move instead of failing (KeyConflict: an error shown, a retry
     # seconds later)
     assert [e for e in rec.events if e[2] == "error"] == []
+
+
+@pytest.mark.parametrize("crash_after", ["upload_part", "complete_multipart"])
+def test_a_chmod_after_a_drain_crash_mid_upload_reaches_the_object(denv, crash_after):  # noqa: F811
+    """Found by the long hunts (a big file, the drain killed in its multipart upload, chmod,
+    drain): the resumed upload kept the mode of its CreateMultipartUpload."""
+    ino = denv.write_file("a/b", b"x" * (6 * MiB))
+    drain_crashing_after(denv, crash_after)
+    denv.core.setattr(ino, SetattrRequest(mode=0o755))
+    denv.drain()
+    assert denv.head("a/b").metadata["mode"] == str(stat.S_IFREG | 0o755)
+    assert denv.object_bytes("a/b") == b"x" * (6 * MiB)
+
+
+def test_a_big_file_emptied_after_a_drain_crash_mid_upload_leaves_no_upload_open(denv):  # noqa: F811
+    """Found by the long hunts (a big shard, the drain killed in its multipart upload, the
+    shard saved again empty): the empty upload forgot the recorded multipart upload."""
+    denv.write_file("ck/s0", b"x" * (6 * MiB))
+    drain_crashing_after(denv, "upload_part")
+    denv.write_file("ck/s0", b"")
+    denv.drain()
+    assert denv.object_bytes("ck/s0") == b""
+    assert denv.open_uploads() == []
+
+
+def test_a_write_of_no_bytes_past_the_end_changes_no_size(denv):  # noqa: F811
+    """Found by the long hunts (a write of b"" at offset 3 of an empty, drained file): the core
+    made the file 3 bytes long (zeros), which the bucket never got. POSIX: no change."""
+    ino = denv.write_file("b", b"")
+    denv.drain()
+    fh = denv.core.open(ino, os.O_WRONLY)
+    assert denv.core.write(fh, 3, b"") == 0
+    denv.core.release(fh)
+    assert denv.core.getattr(ino).size == 0
+    denv.drain()
+    assert denv.object_bytes("b") == b""
+
+
+def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # noqa: F811
+    """Found by the long hunts (mkdir a; write d; drain; RENAME_EXCHANGE a d). The file's copy
+    to ``a`` waited for the old marker ``a/`` to move, whose move (a marker ``d/``) waited for
+    the file object ``d`` to move: on a file:// bucket the drain retried KeyConflict for ever."""
+    denv.mkdir("a")
+    denv.write_file("d", b"file")
+    denv.drain()
+    denv.rename("a", "d", RENAME_EXCHANGE)
+    rec = denv.drain(timeout=10)
+    assert sorted(denv.listing()) == ["a", "d/"]
+    assert denv.object_bytes("a") == b"file"
+    assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
 
 
 def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
