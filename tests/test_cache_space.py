@@ -194,20 +194,34 @@ def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monke
     space = cap(core, 2, high=0.05, low=0.01)
     stop = threading.Event()
     bad: list[str] = []
+    compared = [0]
+
+    def unless_no_room(fn, *args):
+        # Waiting for room past the backpressure timeout (0.5 s here) is ENOSPC by design; on a
+        # loaded machine the evictor can be that slow. What must never happen is wrong bytes.
+        try:
+            return fn(*args)
+        except FsError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return None
 
     def fetcher():
         while not stop.is_set():
             for ino in blobs:
-                core.fetch(ino)
+                unless_no_room(core.fetch, ino)
 
     def reader():
         while not stop.is_set():
             for ino, data in blobs.items():
                 fh = core.open(ino, os.O_RDONLY)
                 try:
-                    got = core.read(fh, 0, len(data))
+                    got = unless_no_room(core.read, fh, 0, len(data))
                 finally:
                     core.release(fh)
+                if got is None:
+                    continue
+                compared[0] += 1
                 if got != data:
                     bad.append(f"inode {ino}: {len(got)} bytes, {got.count(0)} zero bytes")
 
@@ -230,6 +244,7 @@ def test_a_file_being_fetched_is_never_evicted_under_its_fetcher(read_env, monke
     for t in threads:
         t.join()
     assert bad == []
+    assert compared[0] > 0, "no read got room to compare"
     for ino, data in blobs.items():
         if state(core, ino) != FileState.REMOTE:
             with open(core.cache.data_path(ino), "rb") as f:
