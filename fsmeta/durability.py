@@ -141,10 +141,7 @@ def mark_durable(txn: Txn, inode: Inode, generation: int, record: RemoteRecord) 
 def mark_needs_upload(txn: Txn, inode: Inode, now_ns: int) -> None:
     """The bucket no longer has (or may no longer be used for) this content: upload it again."""
     txn.delete_remote(inode.ino)
-    inode.durable_generation = 0
-    inode.state = FileState.DIRTY
-    txn.put_inode(inode)
-    _queue(txn, inode.ino, now_ns, DATA)
+    mark_reupload_keeping_object(txn, inode, now_ns)
 
 
 def mark_reupload_keeping_object(txn: Txn, inode: Inode, now_ns: int) -> None:

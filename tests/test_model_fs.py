@@ -414,18 +414,24 @@ class FsModelWithEvictions(FsModel):
         self.do_truncate(path, size)
 
 
+def model_settings(examples_env: str, default_examples: int, steps: int, **extra) -> settings:
+    """Hypothesis settings of the mounted models: ``examples_env`` raises the example count."""
+    return settings(
+        max_examples=int(os.environ.get(examples_env, str(default_examples))),
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+        **extra,
+    )
+
+
 def test_mount_behaves_like_a_local_filesystem(shared_gateway, local_base):
     FsModel.mount_base = shared_gateway.mnt
     FsModel.local_base = local_base
     run_state_machine_as_test(
         FsModel,
-        settings=settings(
-            max_examples=int(os.environ.get("CKPTFS_MODEL_EXAMPLES", "200")),
-            stateful_step_count=30,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-        ),
+        settings=model_settings("CKPTFS_MODEL_EXAMPLES", 200, 30),
     )
     assert shared_gateway.alive
 
@@ -436,13 +442,7 @@ def test_state_survives_remounts(gateway, local_base):
     FsModelWithRemount.local_base = local_base
     run_state_machine_as_test(
         FsModelWithRemount,
-        settings=settings(
-            max_examples=int(os.environ.get("CKPTFS_MODEL_REMOUNT_EXAMPLES", "15")),
-            stateful_step_count=20,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-        ),
+        settings=model_settings("CKPTFS_MODEL_REMOUNT_EXAMPLES", 15, 20),
     )
     assert gateway.alive
 
@@ -456,14 +456,9 @@ def test_evictions_at_any_step_change_nothing_the_mount_shows(gateway_factory, t
     FsModelWithEvictions.evictions = 0
     run_state_machine_as_test(
         FsModelWithEvictions,
-        settings=settings(
-            max_examples=int(os.environ.get("CKPTFS_MODEL_EVICT_EXAMPLES", "40")),
-            stateful_step_count=30,
-            deadline=None,
-            derandomize=not os.environ.get("CKPTFS_MODEL_EVICT_RANDOM"),  # the same examples every run
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-        ),
+        settings=model_settings("CKPTFS_MODEL_EVICT_EXAMPLES", 40, 30,
+                                # the same examples every run
+                                derandomize=not os.environ.get("CKPTFS_MODEL_EVICT_RANDOM")),
     )
     # (Open and not yet uploaded files are refused, as they must be: most attempts evict nothing.)
     assert FsModelWithEvictions.evictions > 0, "no step evicted anything: the model tests nothing new"
