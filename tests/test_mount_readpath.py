@@ -1,6 +1,6 @@
 """The read path on a real mount, in both data paths: a file in the bucket only is read
 through the mount, becomes cached-clean and reopens from the cache (natively in passthrough);
-``ckptfs prefetch`` and ``ckptfs verify``."""
+``ckptfs prefetch``, ``ckptfs evict`` and ``ckptfs verify``."""
 
 from __future__ import annotations
 
@@ -145,6 +145,33 @@ def test_prefetch_warms_a_checkpoint_directory(gateway_factory):
     assert human.returncode == 0 and "6 files" in human.stdout and "GB/s" in human.stdout
 
 
+def test_evict_frees_a_checkpoint_directory_and_keeps_open_files(gateway_factory):
+    """``ckptfs evict DIR``: the cache copies of clean files go now; a file still open stays
+    cached; evicted files stay visible and read back the same from the bucket."""
+    gw = gateway_factory()
+    (gw.mnt / "step_200").mkdir()
+    shards = {f"step_200/shard_{i}.distcp": os.urandom(MiB + i) for i in range(4)}
+    remote_files(gw, shards)
+    assert cli("prefetch", str(gw.mnt / "step_200")).returncode == 0
+    held = gw.mnt / "step_200/shard_0.distcp"
+    with open(held, "rb") as f:
+        result = cli("evict", str(gw.mnt / "step_200"), "--json")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert summary["kept"] == [str(held)]
+        assert (summary["files"], summary["evicted"], summary["errors"]) == (4, 3, {})
+        assert summary["evicted_bytes"] == sum(len(d) for rel, d in shards.items() if rel != "step_200/shard_0.distcp")
+        assert f.read() == shards["step_200/shard_0.distcp"]
+    states = {rel: os.getxattr(gw.mnt / rel, "user.ckptfs.state") for rel in shards}
+    assert states == {rel: b"durable" if rel.endswith("_0.distcp") else b"remote" for rel in shards}
+    fetched = metric(gw, "ckptfs_bucket_get_bytes_total")
+    for rel, data in shards.items():
+        assert (gw.mnt / rel).read_bytes() == data
+    assert metric(gw, "ckptfs_bucket_get_bytes_total") > fetched  # read back from the bucket
+    human = cli("evict", str(gw.mnt / "step_200"))
+    assert human.returncode == 0 and "4 files" in human.stdout
+
+
 def test_prefetch_reports_a_file_that_fails_its_check(gateway_factory):
     gw = gateway_factory()
     remote_files(gw, {"bad.pt": os.urandom(MiB)}, blake3_hex="0" * 64)
@@ -174,8 +201,8 @@ def test_verify_lists_mismatched_and_missing_objects(gateway_factory):
     assert human.returncode == 1 and "mismatch: ck/b" in human.stdout and "missing: ck/c" in human.stdout
 
 
-def test_prefetch_and_verify_refuse_a_path_off_the_mount(tmp_path):
-    for command in ("prefetch", "verify"):
+def test_prefetch_evict_and_verify_refuse_a_path_off_the_mount(tmp_path):
+    for command in ("prefetch", "evict", "verify"):
         result = cli(command, str(tmp_path))
         assert result.returncode == 2 and "not on a ckptfs mount" in result.stderr
 

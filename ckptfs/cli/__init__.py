@@ -8,7 +8,7 @@ module             commands
 ``cli.status``     ``status``, ``wait-durable``
 ``cli.lifecycle``  ``lifecycle plan|apply``, ``promote``
 ``cli.fsck``       ``fsck``
-``cli.readpath``   ``prefetch``, ``verify``
+``cli.readpath``   ``prefetch``, ``evict``, ``verify``
 =================  ===============================================
 
 Exit codes: 0 success, 1 failure, 2 a bad setting or usage (the message names it).
@@ -32,7 +32,7 @@ COMMAND_MODULES = {
     "status": "status", "wait-durable": "status",
     "lifecycle": "lifecycle", "promote": "lifecycle",
     "fsck": "fsck",
-    "prefetch": "readpath", "verify": "readpath",
+    "prefetch": "readpath", "evict": "readpath", "verify": "readpath",
 }
 GROUP_MODULES = ("mount", "drain", "status", "lifecycle", "fsck", "readpath")
 

@@ -1,4 +1,5 @@
-"""``ckptfs prefetch PATH`` and ``ckptfs verify PATH``: the read path from the command line.
+"""``ckptfs prefetch PATH``, ``ckptfs evict PATH`` and ``ckptfs verify PATH``: the read path
+and the cache from the command line.
 
 ``prefetch`` warms the cache before a resume: every regular file at or below PATH (a path on
 a ckptfs mount) is fetched whole by the gateway, in parallel. The CLI asks for each file by
@@ -8,13 +9,21 @@ the file is in the cache, checked and cached-clean (``gateway/fetch.py``); the g
 object: ``files``, ``bytes``, ``fetched`` (bytes asked from the bucket; the rest was cached
 already), ``seconds``, ``gbps`` and ``errors`` (path -> message). Exit 1 if any file failed.
 
+``evict`` frees the cache space of a file or checkpoint directory now, rather than waiting
+for the cap's LRU: it reads each regular file's ``user.ckptfs.evict`` attribute, which drops
+the file's cache copy if it is clean (in the bucket, no upload pending), not open and not a
+commit marker. An evicted file stays visible and is fetched again when read. ``--json``
+prints ``files``, ``evicted`` (files now in the bucket only), ``evicted_bytes``, ``kept``
+(paths left in the cache: dirty, open or markers) and ``errors``. Exit 1 on errors only; a
+kept file is not an error.
+
 ``verify`` re-reads what the bucket holds under PATH and checks each object against its
 ``x-amz-meta-blake3``, against the hash fsmeta recorded and against the cached copy
 (``drain/verify.py``). It talks to the bucket directly, with the settings the cache directory
 remembers (like ``ckptfs fsck --bucket``). ``--json`` prints ``{"ok", "checked": [{"key",
 "size", "status", "detail"}]}``. Exit 1 if anything is mismatched or missing.
 
-Both exit 2 when PATH is not on a ckptfs mount.
+All three exit 2 when PATH is not on a ckptfs mount.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from ckptfs.gateway.mountpoint import NotOnMount, find_mount
-from ckptfs.gateway.xattrs import PREFETCH_XATTR
+from ckptfs.gateway.xattrs import EVICT_XATTR, PREFETCH_XATTR
 
 from .common import human_bytes
 
@@ -79,11 +88,22 @@ def prefetch(path: str, *, jobs: int = PREFETCH_JOBS, on_file=None) -> dict:
             "gbps": round(total / seconds / 1e9, 3) if seconds > 0 else None, "errors": errors}
 
 
-def cmd_prefetch(args: argparse.Namespace, argv: list[str]) -> int:
+def _print_json(summary: dict) -> None:
+    json.dump(summary, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _on_a_mount(command: str, path: str) -> bool:
     try:
-        find_mount(args.path)
+        find_mount(path)
     except NotOnMount as exc:
-        print(f"ckptfs prefetch: {exc}", file=sys.stderr)
+        print(f"ckptfs {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_prefetch(args: argparse.Namespace, argv: list[str]) -> int:
+    if not _on_a_mount("prefetch", args.path):
         return 2
     if not args.json and sys.stderr.isatty():
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -93,12 +113,47 @@ def cmd_prefetch(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         summary = prefetch(args.path, jobs=args.jobs)
     if args.json:
-        json.dump(summary, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json(summary)
     else:
         rate = f"{summary['gbps']:.2f} GB/s" if summary["gbps"] is not None else "-"
         print(f"prefetch: {summary['files']} files, {human_bytes(summary['bytes'])} "
               f"({human_bytes(summary['fetched'])} from the bucket) in {summary['seconds']:.2f} s, {rate}")
+        for file_path, message in sorted(summary["errors"].items()):
+            print(f"  {file_path}: {message}", file=sys.stderr)
+    return 1 if summary["errors"] else 0
+
+
+def evict(path: str) -> dict:
+    """Have the gateway drop the cache copy of every evictable file below ``path``; a summary."""
+    evicted, evicted_bytes = 0, 0
+    kept: list[str] = []
+    errors: dict[str, str] = {}
+    files = files_under(path)
+    for file_path, size in files:
+        try:
+            answer = json.loads(os.getxattr(file_path, os.fsdecode(EVICT_XATTR)))
+        except OSError as exc:
+            errors[file_path] = exc.strerror or str(exc)
+            continue
+        if answer["evicted"]:
+            evicted += 1
+            evicted_bytes += int(answer["bytes"])
+        else:
+            kept.append(file_path)
+    return {"files": len(files), "evicted": evicted, "evicted_bytes": evicted_bytes,
+            "kept": kept, "errors": errors}
+
+
+def cmd_evict(args: argparse.Namespace, argv: list[str]) -> int:
+    if not _on_a_mount("evict", args.path):
+        return 2
+    summary = evict(args.path)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"evict: {summary['files']} files, {summary['evicted']} in the bucket only "
+              f"({human_bytes(summary['evicted_bytes'])}), {len(summary['kept'])} kept in the cache "
+              "(not in the bucket yet, open, or a commit marker)")
         for file_path, message in sorted(summary["errors"].items()):
             print(f"  {file_path}: {message}", file=sys.stderr)
     return 1 if summary["errors"] else 0
@@ -156,6 +211,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--jobs", type=int, default=PREFETCH_JOBS, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_prefetch)
+
+    p = sub.add_parser("evict", help="free the cache space of a file or checkpoint directory now (it stays readable)")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=cmd_evict)
 
     p = sub.add_parser("verify", help="re-read the bucket's objects under PATH and check their blake3")
     p.add_argument("path")
