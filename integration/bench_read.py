@@ -178,6 +178,15 @@ class Bench:
         return self.dl / key.replace("/", "_")
 
 
+def tear_down(bench: Bench | None, s3, base: Path) -> None:
+    """Unmount (if still mounted), stop the S3 server, remove the work directory."""
+    if bench is not None and bench.mount.proc is not None and bench.mount.proc.poll() is None:
+        bench.mount.unmount()
+    if s3 is not None:
+        s3.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m integration.bench_read", description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0)
@@ -306,11 +315,7 @@ def main(argv=None) -> int:
               {k: [round(v, 2) if k.endswith("CPU") else round(v / 1e6) for v in vs] for k, vs in res.items()})
         return 0
     finally:
-        if bench is not None and bench.mount.proc is not None and bench.mount.proc.poll() is None:
-            bench.mount.unmount()
-        if s3 is not None:
-            s3.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        tear_down(bench, s3, base)
 
 
 if __name__ == "__main__":
