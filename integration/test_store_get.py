@@ -126,18 +126,22 @@ def test_a_body_cut_short_mid_buffer_fails_and_leaves_no_bad_connection(
     """A GET whose body ends before its Content-Length (the server closed the connection,
     or reset it, in the middle of a receive buffer) is an error the fetcher retries, never
     a short success; the message carries no presigned URL; the next GET on the same store
-    gets the whole range (the broken connection did not go back into the pool)."""
+    gets the whole range on a new connection (the broken one did not go back into the pool),
+    while whole bodies leave theirs kept alive for the next GET."""
     data = os.urandom(5 * MiB + 7)
     s3_server.client().put_object(Bucket=s3_bucket, Key="g/cut", Body=data)
     dest = tmp_path / "cut.bin"
 
     async def main():
         async with store(s3_server, s3_bucket, endpoint_url=proxy.url) as st:
-            assert await st.get_to_file("cut", dest, 0, MiB) == MiB  # a pooled connection first
+            assert await st.get_to_file("cut", dest, 0, MiB) == MiB
+            assert await st.get_to_file("cut", dest, MiB, MiB) == MiB
+            assert proxy.connections == 1  # a whole body read leaves the connection reusable
             proxy.cut("GetObject", after_bytes=3 * MiB // 2 + 5, rst=rst, count=1)
             with pytest.raises(StoreError) as ei:
                 await st.get_to_file("cut", dest, 0, len(data))
             assert await st.get_to_file("cut", dest, 0, len(data)) == len(data)
+            assert proxy.connections == 2  # the cut one was not reused
         return ei.value
 
     e = trio.run(main)
