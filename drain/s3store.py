@@ -998,7 +998,7 @@ class S3Store(ObjectStore):
         pos = offset if file_offset is None else file_offset
         try:
             written, expected = await trio.to_thread.run_sync(self._gets.get_to_file, url, headers, dest, pos)
-        except (urllib3.exceptions.HTTPError, http.client.HTTPException, ConnectionError) as e:
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
             raise self._translate(self._urllib3_error(e), "GetObject", key) from None
         except Exception as e:  # error responses, local I/O errors
             err = self._translate(e, "GetObject", key)
@@ -1022,7 +1022,7 @@ class S3Store(ObjectStore):
             return exc.EndpointConnectionError(endpoint_url=where, error=text)
         if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
             return exc.ConnectTimeoutError(endpoint_url=where, error=text)
-        if isinstance(e, urllib3.exceptions.TimeoutError):
+        if isinstance(e, (urllib3.exceptions.TimeoutError, TimeoutError)):  # the builtin: the body's reads
             return exc.ReadTimeoutError(endpoint_url=where, error=text)
         return exc.ConnectionClosedError(endpoint_url=f"{where} ({type(e).__name__}: {text})")
 
@@ -1114,6 +1114,13 @@ class _BlockingGets:
     ``integration/bench_get.py`` (DESIGN.md, "Read path performance"): about 0.9 CPU s/GiB
     against 5 through aiobotocore/httpx and 2 for boto3's transfer manager.
 
+    The body is read with ``readinto`` on the response's ``http.client`` object (below
+    urllib3's read layers) into one reused :data:`GET_CHUNK` buffer per worker thread, and
+    each fill is pwritten from that buffer: the socket's bytes are copied once into user
+    space, with no new ``bytes`` per MiB (the upload side's counterpart is
+    :class:`_SendfileSender`). The body is not content-decoded: the object's bytes land as
+    stored.
+
     Same TLS verification (botocore's CA bundle, or ``verify_tls``), timeouts and
     environment proxies as the aiobotocore client; no retries (the callers retry)."""
 
@@ -1132,6 +1139,7 @@ class _BlockingGets:
         self._direct = urllib3.PoolManager(**kw)
         self._proxied: dict[str, urllib3.ProxyManager] = {}
         self._lock = threading.Lock()
+        self._thread = threading.local()  # .buffer: this worker thread's GET_CHUNK buffer
 
     def _pool_for(self, url: str) -> urllib3.PoolManager:
         proxy = ProxyConfiguration().proxy_url_for(url)
@@ -1152,31 +1160,49 @@ class _BlockingGets:
 
     def get_to_file(self, url: str, headers: dict, dest, pos: int) -> tuple[int, int | None]:
         """GET ``url`` into ``dest`` (a path or an fd) from ``pos``; the bytes written and
-        the response's Content-Length.
-        Raises ClientError for an error response, urllib3/OS errors for the connection."""
-        r = self._pool_for(url).request("GET", url, headers=headers, preload_content=False, redirect=False)
+        the response's Content-Length. Raises ClientError for an error response, urllib3/OS
+        errors for the connection (a body shorter than its Content-Length as urllib3's
+        IncompleteRead, a read timeout as the builtin TimeoutError)."""
+        r = self._pool_for(url).request("GET", url, headers=headers, preload_content=False, redirect=False,
+                                        decode_content=False)
         done = False
         try:
             if r.status >= 300:
                 raise _error_response(r.status, r.read(64 * 1024))
+            length = r.headers.get("Content-Length")
+            expected = int(length) if length is not None else None
             own = not isinstance(dest, int)
             fd = os.open(os.fspath(dest), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600) if own else dest
-            written = 0
             try:
-                # urllib3 raises if the body ends before its Content-Length
-                while chunk := r.read(GET_CHUNK):
-                    written += localio.pwritev_all(fd, [chunk], pos + written)
-                    trio.from_thread.check_cancelled()
+                written = self._receive(r, fd, pos)
             finally:
                 if own:
                     os.close(fd)
-            done = True
-            length = r.headers.get("Content-Length")
-            return written, (int(length) if length is not None else None)
+            if expected is not None and written < expected:
+                # what urllib3 raises for it (a connection error): the connection closed early
+                raise urllib3.exceptions.IncompleteRead(written, expected - written)
+            done = expected is None or written == expected
+            return written, expected
         finally:
             if not done:
                 r.close()  # the connection is in an unknown state: not back into the pool
             r.release_conn()
+
+    def _receive(self, r: urllib3.HTTPResponse, fd: int, pos: int) -> int:
+        """The body of ``r`` into ``fd`` from ``pos``, through this thread's buffer; the
+        bytes written. Checks for cancellation between fills."""
+        buffer = getattr(self._thread, "buffer", None)
+        if buffer is None:
+            buffer = self._thread.buffer = memoryview(bytearray(GET_CHUNK))
+        # http.client's readinto stops at the Content-Length (or the last chunk) and fills
+        # the buffer with recv_into straight from the socket; urllib3's own readinto would
+        # read into a new bytes and copy it
+        raw = r._fp if isinstance(getattr(r, "_fp", None), http.client.HTTPResponse) else r
+        written = 0
+        while n := raw.readinto(buffer):
+            written += localio.pwritev_all(fd, [buffer[:n]], pos + written)
+            trio.from_thread.check_cancelled()
+        return written
 
 
 #: bytes per ``sendfile`` call of a part body (a cancelled upload stops after at most this)

@@ -11,7 +11,11 @@ flight, into a file on ``--workdir`` (page cache writes included for every side)
 * ``httpx``: presigned ranged GETs with a bare ``httpx.AsyncClient`` under trio, each
   streamed to the file with ``pwrite`` in a worker thread: what any async GET costs;
 * ``urllib3``: presigned ranged GETs with urllib3 in worker threads, ``pwrite`` of each
-  1 MiB read: the floor for a Python GET path.
+  1 MiB read (new ``bytes`` each);
+* ``readinto``: the same, the body read with ``readinto`` into one reused buffer per thread
+  (what the store does since issue 10's third pass);
+* ``splice``: the same, the body moved with ``os.splice`` socket -> pipe -> file (no copy
+  through user space; plain http only).
 
 radosgw on 127.0.0.1 is started unless ``CKPTFS_S3_ENDPOINT`` points at one; never moto.
 ``--profile store`` writes a cProfile of the store side to ``--profile-out``.
@@ -145,7 +149,10 @@ def run_httpx(s3, bucket: str, key: str, size: int, dest: Path, part: int, concu
     trio.run(main)
 
 
-def run_urllib3(s3, bucket: str, key: str, size: int, dest: Path, part: int, concurrency: int, timer: Timer) -> None:
+def _bare_gets(s3, bucket: str, key: str, size: int, dest: Path, part: int, concurrency: int, timer: Timer,
+               receive) -> None:
+    """Presigned ranged GETs with urllib3 in worker threads; ``receive(r, fd, pos)`` takes
+    the body of the urllib3 response ``r`` into ``fd`` at ``pos`` and returns the bytes written."""
     import trio
     import urllib3
 
@@ -154,13 +161,11 @@ def run_urllib3(s3, bucket: str, key: str, size: int, dest: Path, part: int, con
     timer.start()
 
     def get_sync(fd, off, ln):
-        r = pool.request("GET", url, headers={"Range": f"bytes={off}-{off + ln - 1}"}, preload_content=False)
-        pos = off
-        while data := r.read(1 * MiB):
-            os.pwrite(fd, data, pos)
-            pos += len(data)
+        r = pool.request("GET", url, headers={"Range": f"bytes={off}-{off + ln - 1}"}, preload_content=False,
+                         decode_content=False)
+        n = receive(r, fd, off)
         r.release_conn()
-        assert pos == off + ln
+        assert n == ln
 
     async def main():
         fd = open_dest(dest, size)
@@ -172,7 +177,83 @@ def run_urllib3(s3, bucket: str, key: str, size: int, dest: Path, part: int, con
     trio.run(main)
 
 
-SIDES = {"store": run_store, "boto3": run_boto3, "httpx": run_httpx, "urllib3": run_urllib3}
+def run_urllib3(*args) -> None:
+    """``read`` 1 MiB at a time (new ``bytes`` each), ``pwrite`` each."""
+
+    def receive(r, fd, pos):
+        start = pos
+        while data := r.read(MiB):
+            os.pwrite(fd, data, pos)
+            pos += len(data)
+        return pos - start
+
+    _bare_gets(*args, receive)
+
+
+def run_readinto(*args) -> None:
+    """What ``S3Store.get_to_file`` does now: ``readinto`` one reused 1 MiB buffer per thread."""
+    import threading
+
+    local = threading.local()
+
+    def receive(r, fd, pos):
+        raw = r._fp
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(MiB))
+        start = pos
+        while n := raw.readinto(buf):
+            os.pwritev(fd, [buf[:n]], pos)
+            pos += n
+        return pos - start
+
+    _bare_gets(*args, receive)
+
+
+def run_splice(*args) -> None:
+    """Zero-copy: ``os.splice`` socket -> pipe -> file (after the bytes http.client buffered)."""
+    import fcntl
+    import select
+    import threading
+
+    local = threading.local()
+
+    def receive(r, fd, pos):
+        raw = r._fp
+        pipe = getattr(local, "pipe", None)
+        if pipe is None:
+            pipe = local.pipe = os.pipe()
+            fcntl.fcntl(pipe[1], 1031, MiB)  # F_SETPIPE_SZ
+        start, left = pos, raw.length
+        head = raw.fp.peek(1)[:left]  # what the buffered reader holds already
+        if head:
+            raw.fp.read(len(head))
+            os.pwrite(fd, head, pos)
+            pos += len(head)
+            left -= len(head)
+        sock = raw.fp.raw._sock
+        while left:
+            try:
+                n = os.splice(sock.fileno(), pipe[1], min(left, MiB), flags=os.SPLICE_F_MOVE)
+            except BlockingIOError:
+                select.select([sock], [], [], 30)
+                continue
+            if n == 0:
+                break
+            left -= n
+            while n:
+                m = os.splice(pipe[0], fd, n, offset_dst=pos, flags=os.SPLICE_F_MOVE)
+                n -= m
+                pos += m
+        raw.length = 0
+        raw._close_conn()
+        return pos - start
+
+    _bare_gets(*args, receive)
+
+
+SIDES = {"store": run_store, "boto3": run_boto3, "httpx": run_httpx, "urllib3": run_urllib3,
+         "readinto": run_readinto, "splice": run_splice}
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,10 @@ are in the bucket only. Each round, alternating which side goes first:
 4. **Gateway peak RSS** (``VmHWM``) during a cold read of one big file (default 8 GiB).
    Target <= 300 MiB.
 
+With each cold read and the prefetch it also prints the **gateway's CPU seconds per GiB**
+(user + system time of the mount process from ``/proc/PID/stat``, just before and after the
+reads): the load-independent figure, where the MB/s move with what else runs on the machine.
+
 ``--scale`` multiplies every size but the RSS file's (``--rss-gib``), for a quick run.
 radosgw on 127.0.0.1 is started by the bench unless ``CKPTFS_S3_ENDPOINT`` points at one;
 never moto.
@@ -125,6 +129,13 @@ def evict_all(cache: Path) -> int:
     return len(inos)
 
 
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_hwm_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -165,6 +176,15 @@ class Bench:
 
     def local(self, key: str) -> Path:
         return self.dl / key.replace("/", "_")
+
+
+def tear_down(bench: Bench | None, s3, base: Path) -> None:
+    """Unmount (if still mounted), stop the S3 server, remove the work directory."""
+    if bench is not None and bench.mount.proc is not None and bench.mount.proc.poll() is None:
+        bench.mount.unmount()
+    if s3 is not None:
+        s3.stop()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -232,9 +252,10 @@ def main(argv=None) -> int:
                 for side in (("mount", "boto3") if r % 2 == 0 else ("boto3", "mount")):
                     if side == "mount":
                         m.start()
-                        t0 = time.monotonic()
+                        cpu0, t0 = cpu_seconds_of(m.proc.pid), time.monotonic()
                         run(m.mnt)
                         note(f"{name}: mount", nbytes / (time.monotonic() - t0))
+                        note(f"{name}: gateway CPU", (cpu_seconds_of(m.proc.pid) - cpu0) / (nbytes / GiB))
                         m.unmount()
                         evict_all(m.cache)
                     else:
@@ -251,9 +272,10 @@ def main(argv=None) -> int:
             note("everything: boto3", nbytes / (time.monotonic() - t0))
             shutil.rmtree(bench.dl, ignore_errors=True)
             m.start()
-            t0 = time.monotonic()
+            cpu0, t0 = cpu_seconds_of(m.proc.pid), time.monotonic()
             subprocess.run([*ckptfs_cmd(), "prefetch", str(m.mnt / "ckpt")], check=True, capture_output=True)
             note("everything: prefetch", nbytes / (time.monotonic() - t0))
+            note("everything: gateway CPU", (cpu_seconds_of(m.proc.pid) - cpu0) / (nbytes / GiB))
             # warm: through the mount (native data path) vs the plain copies
             for name, (ckeys, run) in cases.items():
                 nb = sum(sizes[k] for k in ckeys)
@@ -276,25 +298,24 @@ def main(argv=None) -> int:
             return statistics.median(res[key])
 
         print(f"\n# medians of {args.rounds} rounds (MB/s); load average now {loadavg()}")
-        print(f"{'workload':32s}{'mount':>10s}{'baseline':>10s}{'ratio':>8s}{'target':>8s}")
+        print(f"{'workload':32s}{'mount':>10s}{'baseline':>10s}{'ratio':>8s}{'target':>8s}"
+              f"{'gateway CPU s/GiB':>19s}")
         for name in cases:
             print(f"{'cold ' + name:32s}{med(name + ': mount') / 1e6:10.0f}{med(name + ': boto3') / 1e6:10.0f}"
-                  f"{med(name + ': mount') / med(name + ': boto3'):8.2f}{'>=1.0':>8s}")
+                  f"{med(name + ': mount') / med(name + ': boto3'):8.2f}{'>=1.0':>8s}"
+                  f"{med(name + ': gateway CPU'):19.2f}")
         print(f"{'prefetch everything':32s}{med('everything: prefetch') / 1e6:10.0f}"
               f"{med('everything: boto3') / 1e6:10.0f}{med('everything: prefetch') / med('everything: boto3'):8.2f}"
-              f"{'>=1.0':>8s}")
+              f"{'>=1.0':>8s}{med('everything: gateway CPU'):19.2f}")
         for name in cases:
             a, b = med(f"warm {name}: mount"), med(f"warm {name}: plain")
             print(f"{'warm ' + name:32s}{a / 1e6:10.0f}{b / 1e6:10.0f}{a / b:8.2f}{'>=0.9':>8s}")
         print(f"gateway peak RSS over a cold read of {sizes[rss_key] / GiB:.1f} GiB: {rss:.0f} MiB (target <= 300)")
-        print("all samples (MB/s):", {k: [round(v / 1e6) for v in vs] for k, vs in res.items()})
+        print("all samples (MB/s; gateway CPU s/GiB):",
+              {k: [round(v, 2) if k.endswith("CPU") else round(v / 1e6) for v in vs] for k, vs in res.items()})
         return 0
     finally:
-        if bench is not None and bench.mount.proc is not None and bench.mount.proc.poll() is None:
-            bench.mount.unmount()
-        if s3 is not None:
-            s3.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        tear_down(bench, s3, base)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ every request as an S3 operation (``UploadPart``, ``CompleteMultipartUpload``,
 * answer with an S3 error instead of forwarding (``fail``: 503 SlowDown, 500,
   403 AccessDenied, ... for a fraction of the requests or a number of them);
 * reset the client connection (RST) after part of the request body (``reset``);
+* cut a response body short: forward its head and part of its body, then close or reset
+  the client connection (``cut``);
 * delay a request before forwarding it (``stall``);
 * limit the bandwidth of request bodies (uploads) and/or response bodies,
   shared by all connections (``set_bandwidth``);
@@ -148,7 +150,7 @@ class Rule:
     ``methods``: HTTP methods (None = any); ``fraction``: probability per
     matching request; ``count``: how many times at most (None = unlimited)."""
 
-    action: str  #: error | reset | reset-response | stall | hold-request | hold-response
+    action: str  #: error | reset | reset-response | cut-response | stall | hold-request | hold-response
     ops: frozenset[str] | None = None
     methods: frozenset[str] | None = None
     fraction: float = 1.0
@@ -157,7 +159,8 @@ class Rule:
     code: str = "SlowDown"
     message: str = "injected by faultproxy"
     delay: float = 0.0
-    after_bytes: int | None = None  #: reset: RST after this many body bytes (None: half the body)
+    after_bytes: int | None = None  #: reset: RST after this many body bytes (None: half the body); cut: the same
+    rst: bool = False  #: cut: reset the connection instead of closing it
     part_numbers: frozenset[int] | None = None
     hits: int = 0
     hold: Hold | None = None
@@ -369,6 +372,14 @@ class FaultProxy:
         action = "reset" if when == "request" else "reset-response"
         return self.add_rule(Rule(action, _ops(ops), _ops(methods), fraction, count, after_bytes=after_bytes))
 
+    def cut(self, ops=None, *, after_bytes: int, rst: bool = False, fraction: float = 1.0,
+            count: int | None = None, methods=None) -> Rule:
+        """Forward the response's head and the first ``after_bytes`` of its body, then close the
+        client connection (a body shorter than its Content-Length); ``rst``: reset it instead
+        (a peer that crashed mid-body)."""
+        return self.add_rule(Rule("cut-response", _ops(ops), _ops(methods), fraction, count,
+                                  after_bytes=after_bytes, rst=rst))
+
     def stall(self, ops=None, seconds: float = 1.0, *, fraction: float = 1.0, count: int | None = None,
               methods=None) -> Rule:
         """Delay matching requests by ``seconds`` before forwarding them."""
@@ -557,13 +568,7 @@ class FaultProxy:
                     pass
             rec.outcome = "reset"
             rec.t_end = time.monotonic()
-            sock = cwriter.transport.get_extra_info("socket")
-            if sock is not None:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                except OSError:
-                    pass
-            self._abort(cwriter)
+            self._reset(cwriter)
             if upstream_close:
                 self._abort(uwriter)
                 up = None
@@ -582,10 +587,13 @@ class FaultProxy:
             rec.bytes_out = len(body)
             await cwriter.drain()
         else:
+            cut_at = rule.after_bytes if rule is not None and rule.action == "cut-response" else None
             cwriter.write(rhead)
             if not no_body:
                 async for chunk in self._iter_body(ureader, rclen, rchunked, upstream_close, raw=True):
                     await self._down.take(len(chunk))
+                    if cut_at is not None and rec.bytes_out + len(chunk) >= cut_at:
+                        await self._cut(cwriter, uwriter, rec, rule, chunk[:cut_at - rec.bytes_out])
                     cwriter.write(chunk)
                     rec.bytes_out += len(chunk)
                     if cwriter.transport.get_write_buffer_size() > 4 * CHUNK:
@@ -598,6 +606,30 @@ class FaultProxy:
             self._abort(uwriter)
             up = None
         return not (client_close or upstream_close), up
+
+    async def _cut(self, cwriter, uwriter, rec, rule, last: bytes) -> None:
+        """Send ``last`` (the end of a cut body), then close or reset the client connection."""
+        rec.fault = "cut-response"
+        cwriter.write(last)
+        rec.bytes_out += len(last)
+        await cwriter.drain()
+        rec.outcome = "cut"
+        rec.t_end = time.monotonic()
+        self._abort(uwriter)  # the rest of the upstream body is not read
+        if rule.rst:
+            self._reset(cwriter)
+        raise _ClientGone()  # the caller closes the client connection (FIN) if still open
+
+    @classmethod
+    def _reset(cls, writer) -> None:
+        """Close the connection with a RST (SO_LINGER 0), not a FIN."""
+        sock = writer.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        cls._abort(writer)
 
     @staticmethod
     def _strip_header(head: bytes, name: str) -> bytes:

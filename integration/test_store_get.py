@@ -10,7 +10,9 @@ import trio
 
 from ckptfs.drain.s3store import S3Store
 from ckptfs.drain.store import MiB, NotFoundError, PreconditionFailedError, StoreError
+from integration.faultproxy import FaultProxy
 from integration.s3server import S3Server
+from integration.test_drain_common import proxy  # noqa: F401 - the fixture
 
 
 def store(s3: S3Server, bucket: str, *, tls: bool = False, **kw) -> S3Store:
@@ -116,3 +118,52 @@ def test_aclose_closes_the_get_connections(s3_server: S3Server, s3_bucket: str, 
         assert _connections_to(port) <= before  # the store object still lives: closed, not collected
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("rst", [False, True], ids=["closed", "reset"])
+def test_a_body_cut_short_mid_buffer_fails_and_leaves_no_bad_connection(
+        s3_server: S3Server, s3_bucket: str, proxy: FaultProxy, tmp_path, rst):
+    """A GET whose body ends before its Content-Length (the server closed the connection,
+    or reset it, in the middle of a receive buffer) is an error the fetcher retries, never
+    a short success; the message carries no presigned URL; the next GET on the same store
+    gets the whole range on a new connection (the broken one did not go back into the pool),
+    while whole bodies leave theirs kept alive for the next GET."""
+    data = os.urandom(5 * MiB + 7)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="g/cut", Body=data)
+    dest = tmp_path / "cut.bin"
+
+    async def main():
+        async with store(s3_server, s3_bucket, endpoint_url=proxy.url) as st:
+            assert await st.get_to_file("cut", dest, 0, MiB) == MiB
+            assert await st.get_to_file("cut", dest, MiB, MiB) == MiB
+            assert proxy.connections == 1  # a whole body read leaves the connection reusable
+            proxy.cut("GetObject", after_bytes=3 * MiB // 2 + 5, rst=rst, count=1)
+            with pytest.raises(StoreError) as ei:
+                await st.get_to_file("cut", dest, 0, len(data))
+            assert await st.get_to_file("cut", dest, 0, len(data)) == len(data)
+            assert proxy.connections == 2  # the cut one was not reused
+        return ei.value
+
+    e = trio.run(main)
+    assert e.retryable and e.code == "ConnectionError"
+    assert s3_server.access_key not in str(e) and "Signature" not in str(e)
+    assert dest.read_bytes() == data
+    assert [r.fault for r in proxy.records() if r.op == "GetObject"].count("cut-response") == 1
+
+
+def test_a_body_that_stalls_mid_way_is_a_timeout(s3_server: S3Server, s3_bucket: str, proxy: FaultProxy, tmp_path):
+    """A body that stops coming for longer than ``read_timeout`` after the response's head
+    (a stalled server) is a retryable Timeout, not a hang: the proxy sends the body at 4 KiB/s
+    in chunks of up to 64 KiB, so 1 MiB cannot arrive without a gap longer than the timeout."""
+    s3_server.client().put_object(Bucket=s3_bucket, Key="g/slow", Body=os.urandom(MiB))
+    proxy.set_bandwidth(down=4 * 1024)
+
+    async def main():
+        async with store(s3_server, s3_bucket, endpoint_url=proxy.url, read_timeout=0.5) as st:
+            with pytest.raises(StoreError) as ei:
+                await st.get_to_file("slow", tmp_path / "slow.bin", 0, MiB)
+        return ei.value
+
+    e = trio.run(main)
+    assert e.retryable and e.code == "Timeout"
+    assert s3_server.access_key not in str(e) and "Signature" not in str(e)

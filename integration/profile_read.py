@@ -1,0 +1,106 @@
+"""Where the gateway's CPU goes on the read path: one cold read (one reader) and one
+``ckptfs prefetch`` of the same file, against a real radosgw, with the gateway's CPU seconds
+per GiB (``/proc/PID/stat``) and optionally a profile of the gateway process alone:
+
+* ``--profiler perf``: ``perf record -g`` (kernel and user frames) into
+  ``OUT-read.perf`` / ``OUT-prefetch.perf``; read with ``perf report -i ... --no-children``;
+* ``--profiler py-spy``: ``py-spy record --gil`` (Python frames of the thread holding the GIL)
+  into ``OUT-read.txt`` / ``OUT-prefetch.txt`` (collapsed stacks).
+
+The file is written through a mount, drained, and evicted before each side (as
+``bench_read.py`` does). radosgw on 127.0.0.1 is started unless ``CKPTFS_S3_ENDPOINT`` points
+at one; never moto.
+
+Usage::
+
+    .venv/bin/python -m integration.profile_read [--mib 1024] [--profiler none|perf|py-spy]
+        [--out /tmp/ckptfs-read] [--workdir /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from integration.bench_read import Bench, cpu_seconds_of, evict_all, read_file, tear_down, write_random
+from integration.test_drain_common import ckptfs_cmd, s3_env
+
+
+def profiler_argv(profiler: str, pid: int, out: str) -> list[str] | None:
+    if profiler == "perf":
+        return ["perf", "record", "-F", "499", "-g", "-p", str(pid), "-o", f"{out}.perf"]
+    if profiler == "py-spy":
+        return [str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "-r", "200", "-p", str(pid),
+                "--format", "raw", "-o", f"{out}.txt"]
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m integration.profile_read", description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--profiler", choices=("none", "perf", "py-spy"), default="none")
+    ap.add_argument("--out", default="/tmp/ckptfs-read")
+    ap.add_argument("--workdir", default="/var/tmp")
+    args = ap.parse_args(argv)
+
+    from integration.s3server import start_from_env
+
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-profile-read-", dir=args.workdir))
+    s3 = bench = None
+    try:
+        s3 = start_from_env(base / "rgw", tls=False, osd_size_gib=16, with_mgr=False)
+        if s3.kind == "moto":
+            print("refusing to measure against moto", file=sys.stderr)
+            return 2
+        bucket = s3.make_bucket(f"profile-read-{os.getpid()}")
+        os.environ.update(s3_env(s3))
+        bench = Bench(s3, bucket, base, 8 * MiB, 16)
+        m = bench.mount
+        src = base / "src.bin"
+        write_random(src, args.mib * MiB)
+        m.start()
+        (m.mnt / "ckpt").mkdir()
+        shutil.copyfile(src, m.mnt / "ckpt/big.bin")
+        m.wait_durable("", timeout=3600)
+        m.unmount()
+        evict_all(m.cache)
+        for what in ("read", "prefetch"):
+            m.start()
+            pid = m.proc.pid
+            cmd = profiler_argv(args.profiler, pid, f"{args.out}-{what}")
+            prof = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if cmd else None
+            if prof is not None:
+                time.sleep(1.5)  # attached before the first byte
+            cpu0, t0 = cpu_seconds_of(pid), time.monotonic()
+            if what == "read":
+                read_file(m.mnt / "ckpt/big.bin")
+            else:
+                subprocess.run([*ckptfs_cmd(), "prefetch", str(m.mnt / "ckpt")], check=True, capture_output=True)
+            seconds, cpu = time.monotonic() - t0, cpu_seconds_of(pid) - cpu0
+            if prof is not None:
+                prof.send_signal(signal.SIGINT)
+                prof.wait(timeout=120)
+            print(f"{what:9s}{args.mib * MiB / seconds / 1e6:7.0f} MB/s  gateway {cpu / (args.mib * MiB / GiB):5.2f} "
+                  "CPU s/GiB", flush=True)
+            m.unmount()
+            evict_all(m.cache)
+        return 0
+    finally:
+        tear_down(bench, s3, base)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
