@@ -77,10 +77,10 @@ class OpenFiles:
         caller read ``inode``; if an eviction ran since, :class:`EvictedMeanwhile` asks the
         caller to read it again (its cache file may be gone).
 
-        ``created``: ``inode`` was just made by this open (O_CREAT), and the transaction that
-        made it also counted the writer (:func:`register_created_writer`): its cache file is
-        new, and no generation bump is due before its first bytes (nobody saw the inode
-        without a writer)."""
+        ``created``: ``inode`` was just made by this open (O_CREAT): its cache file is new,
+        and, for an open for writing, the transaction that made it also counted the writer
+        (:meth:`register_created_writer`), so no generation bump is due before its first
+        bytes (nobody saw the inode without a writer)."""
         s = self._state
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
@@ -107,8 +107,10 @@ class OpenFiles:
                     s.fetcher.release(remote)
                     raise FsError(errno.EIO, f"inode {inode.ino} is open on the native data path")
                 fd = s.create_cache_file(inode.ino) if created else s.open_cache_file(inode.ino)
+                # Only a create for writing counted its writer with the inode (a read-only
+                # create did not: a later writer's first bytes must bump).
                 of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns, remote=remote,
-                              needs_bump=not created)
+                              needs_bump=not (created and writable))
                 s.open_files[inode.ino] = of
                 remote = None  # the open file holds it now
                 if s.backing is not None and of.remote is None:

@@ -297,6 +297,23 @@ def test_a_created_file_reaches_the_drain_with_its_writer_and_a_failed_create_le
         assert txn.writer_count(failed) == 0
 
 
+def test_a_writer_of_a_file_created_read_only_bumps_before_its_first_bytes(core):
+    """Only a create for writing is born with its writer; a file created O_RDONLY may be
+    uploaded before someone opens it for writing, so that writer's bytes need a bump."""
+    fh_ro, ino = new_file(core, b"ro", os.O_RDONLY)
+
+    def generation():
+        with core.meta.read() as txn:
+            return txn.get_inode(ino).generation
+
+    g0 = generation()
+    fh_w = core.open(ino, os.O_WRONLY)
+    core.write(fh_w, 0, b"x")
+    assert generation() == g0 + 1
+    core.release(fh_w)
+    core.release(fh_ro)
+
+
 def test_release_drops_handle_and_writer_count_even_when_persisting_fails(core, monkeypatch):
     fh, ino = new_file(core)
     core.write(fh, 0, b"data")
