@@ -457,8 +457,15 @@ class FsCore:
 
     def create(self, parent: int, name: bytes, mode: int, flags: int, caller: Caller) -> tuple[int, Attr]:
         """O_CREAT open of a name that the kernel found missing (O_EXCL is implied)."""
-        inode = self._namespace.create_file(parent, name, mode, caller)
-        fh = self._files.open_handle(inode, flags)
+        writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        inode = self._namespace.create_file(parent, name, mode, caller,
+                                            then=OpenFiles.register_created_writer if writable else None)
+        try:
+            fh = self._files.open_handle(inode, flags, created=True)
+        except BaseException:
+            if writable:  # else the drain would wait for this writer forever
+                self.meta.write(lambda txn: txn.add_writer(inode.ino, -1))
+            raise
         return fh, self._attr(inode)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:

@@ -71,10 +71,16 @@ class OpenFiles:
         self._state = state
         self._lookups = lookups
 
-    def open_handle(self, inode: Inode, flags: int, *, seen_eviction: int | None = None) -> int:
+    def open_handle(self, inode: Inode, flags: int, *, seen_eviction: int | None = None,
+                    created: bool = False) -> int:
         """A handle on ``inode``. ``seen_eviction``: ``CoreState.eviction_seq`` before the
         caller read ``inode``; if an eviction ran since, :class:`EvictedMeanwhile` asks the
-        caller to read it again (its cache file may be gone)."""
+        caller to read it again (its cache file may be gone).
+
+        ``created``: ``inode`` was just made by this open (O_CREAT): its cache file is new,
+        and, for an open for writing, the transaction that made it also counted the writer
+        (:meth:`register_created_writer`), so no generation bump is due before its first
+        bytes (nobody saw the inode without a writer)."""
         s = self._state
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
@@ -100,8 +106,11 @@ class OpenFiles:
                 if of is not None:  # open natively: a mode cannot change while a handle is open
                     s.fetcher.release(remote)
                     raise FsError(errno.EIO, f"inode {inode.ino} is open on the native data path")
-                fd = s.open_cache_file(inode.ino)
-                of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns, remote=remote)
+                fd = s.create_cache_file(inode.ino) if created else s.open_cache_file(inode.ino)
+                # Only a create for writing counted its writer with the inode (a read-only
+                # create did not: a later writer's first bytes must bump).
+                of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns, remote=remote,
+                              needs_bump=not (created and writable))
                 s.open_files[inode.ino] = of
                 remote = None  # the open file holds it now
                 if s.backing is not None and of.remote is None:
@@ -122,7 +131,7 @@ class OpenFiles:
             s.fetcher.release(remote)
         if s.space is not None:
             s.space.touch(inode.ino)
-        if writable:
+        if writable and not created:
             try:
                 s.meta.write(lambda txn: txn.add_writer(inode.ino, 1))
                 if s.backing is not None:
@@ -131,6 +140,14 @@ class OpenFiles:
                 self.release(fh)
                 raise
         return fh
+
+    @staticmethod
+    def register_created_writer(txn: Txn, inode: Inode) -> None:
+        """In the transaction that creates ``inode`` for an open for writing: the writer
+        count that :meth:`open_handle` adds for other opens. The drain never sees the new
+        inode without it, so it does not start the file before it is closed, and the
+        generation the inode is born with needs no bump before its first bytes."""
+        txn.add_writer(inode.ino, 1)
 
     def _adopt(self, of: OpenFile, inode: Inode, *, attach: bool = True) -> None:
         """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can

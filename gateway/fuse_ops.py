@@ -7,26 +7,26 @@ exception into EIO, a log line and a counter.
 Requests that only read fsmeta (lookup, getattr, forget's bookkeeping) are first tried on
 the trio loop itself (the core's ``*_nowait`` methods: an LMDB read of mapped pages, no
 lock that another thread may hold while doing I/O); only when that would wait do they take
-the worker-thread hop, which costs several times the request itself (docs/DESIGN.md).
+the worker-thread hop (``gateway/workers.py``), which costs about as much as the request
+itself (docs/DESIGN.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
 import time
 
 import pyfuse3
-import trio
 
 from ckptfs.fsmeta import WouldBlock
 
 from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
 from .errors import FsError
+from .workers import Workers
 
 log = logging.getLogger("ckptfs.fuse")
 
@@ -89,6 +89,7 @@ class CkptOperations(pyfuse3.Operations):
         # negotiates the writeback cache (enable_writeback_cache stays True).
         self.on_init = on_init
         self._metric_children: dict[str, tuple] = {}
+        self._workers = Workers()  # the hop to a worker thread, cheaper than trio.to_thread
 
     def init(self):
         if self.on_init is not None:
@@ -154,7 +155,7 @@ class CkptOperations(pyfuse3.Operations):
                     return nowait(*args)
                 except WouldBlock:
                     pass
-            return await trio.to_thread.run_sync(functools.partial(fn, *args))
+            return await self._workers.run(fn, *args)
         except Exception as exc:
             failure = self._failure(op, exc)
             if failure is exc:
@@ -195,7 +196,7 @@ class CkptOperations(pyfuse3.Operations):
             return
         if purge:  # answered on the loop; dropping unlinked inodes is an fsmeta write
             try:
-                await trio.to_thread.run_sync(self.core.purge_unreferenced, purge)
+                await self._workers.run(self.core.purge_unreferenced, purge)
             except Exception as exc:  # noqa: BLE001 - no reply to carry it: logged and counted
                 self._failure("forget", exc)
 
@@ -284,7 +285,7 @@ class CkptOperations(pyfuse3.Operations):
 
     async def fsync(self, fh, datasync):
         async with self._answering("fsync"):
-            await trio.to_thread.run_sync(self.core.fsync, fh, datasync)
+            await self._workers.run(self.core.fsync, fh, datasync)
             if self.fsync_hook is not None:
                 await self.fsync_hook(self.core, fh)
 

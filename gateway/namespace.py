@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptfs.fsmeta import ROOT_INO, FileState, Inode, Txn, durability
@@ -56,7 +57,8 @@ class Namespace:
         txn.put_inode(inode)
 
     def _create_node(self, parent: int, name: bytes, mode: int, caller: Caller, *,
-                     target: bytes = b"", rdev: int = 0) -> Inode:
+                     target: bytes = b"", rdev: int = 0, then: Callable[[Txn, Inode], None] | None = None) -> Inode:
+        """``then``: more to do with the new inode in the same transaction."""
         check_name(name)
         now = self._state.clock()
         is_dir = stat.S_ISDIR(mode)
@@ -84,6 +86,8 @@ class Namespace:
             else:
                 durability.mark_created(txn, inode, now)
             self._touch_dir(txn, parent_inode, now)
+            if then is not None:
+                then(txn, inode)
             return inode
 
         inode = self._state.meta.write(create)
@@ -97,7 +101,7 @@ class Namespace:
         kind = stat.S_IFMT(mode)
         if kind == stat.S_IFREG:
             inode = self.create_file(parent, name, mode, caller)
-            os.close(self._state.open_cache_file(inode.ino))  # the drain uploads from it
+            os.close(self._state.create_cache_file(inode.ino))  # the drain uploads from it
             return inode
         if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
             raise FsError(errno.EINVAL, f"mknod cannot make file type {kind:o}")
@@ -113,13 +117,13 @@ class Namespace:
             raise FsError(errno.ENAMETOOLONG)
         return self._create_node(parent, name, stat.S_IFLNK | 0o777, caller, target=target)
 
-    def create_file(self, parent: int, name: bytes, mode: int, caller: Caller) -> Inode:
-        """The name of an O_CREAT open that the kernel found missing; the caller opens it."""
-        inode = self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller)
-        # A power cut can lose the commit that handed out this inode number while its
-        # cache file survived: a new file must never show such leftover bytes.
-        self._state.remove_data(inode.ino)
-        return inode
+    def create_file(self, parent: int, name: bytes, mode: int, caller: Caller, *,
+                    then: Callable[[Txn, Inode], None] | None = None) -> Inode:
+        """The name of an O_CREAT open that the kernel found missing; the caller opens it,
+        making its cache file with ``CoreState.create_cache_file``. ``then``: what the open
+        records in fsmeta, done in the same transaction (one nested transaction, not three)."""
+        return self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller,
+                                 then=then)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         check_name(new_name)

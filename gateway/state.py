@@ -84,6 +84,24 @@ class CoreState:
             self.unsynced_cache_names.add(ino)
         return fd
 
+    def create_cache_file(self, ino: int) -> int:
+        """An O_RDWR fd on a new, empty cache file for a new inode.
+
+        A power cut can lose the commit that handed out this inode number while its cache
+        file survived: a new file must never show such leftover bytes, so a file already
+        there is removed first (O_EXCL: one syscall when there is none, the usual case).
+        """
+        path = self.data_path(ino)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            self.remove_data(ino)
+            fd = os.open(path, flags, 0o600)
+        with self.lock:
+            self.unsynced_cache_names.add(ino)
+        return fd
+
     def sync_cache_names(self, ino: int) -> None:
         """fsync data/ if the inode's cache file may have a name not yet on the device."""
         with self.lock:

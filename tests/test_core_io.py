@@ -141,10 +141,11 @@ def test_every_write_after_a_flush_bumps_the_generation(core):
             inode = txn.get_inode(ino)
             return inode.generation, inode.state, txn.get_pending(ino)
 
-    g0, _, _ = gen()
+    g1, _, _ = gen()
     core.write(fh, 0, b"a")
-    g1, state, pending = gen()
-    assert g1 == g0 + 1 and state == FileState.DIRTY and pending is not None
+    # A file created by this open was born DIRTY, queued and with its writer counted, in
+    # one transaction: its first epoch needs no bump (no one saw it without a writer).
+    assert gen() == (g1, FileState.DIRTY, gen()[2]) and gen()[2] is not None
     core.write(fh, 1, b"b")
     assert gen()[0] == g1  # one bump per flush interval, not per write
     core.flush(fh)
@@ -270,6 +271,47 @@ def test_new_file_never_shows_a_stale_cache_file_of_its_inode_number(core):
     core.setattr(attr.ino, SetattrRequest(size=29), fh)
     assert core.read(fh, 0, 100) == bytes(29)
     core.release(fh)
+
+
+def test_a_created_file_reaches_the_drain_with_its_writer_and_a_failed_create_leaves_none(core, monkeypatch):
+    """The drain must never see a file created for writing without its writer (it would
+    upload it while it is written); a create whose cache file cannot be made must not
+    leave a writer behind (the file would never drain)."""
+    fh, ino = new_file(core, b"kept", os.O_WRONLY)
+    core.meta.commit()
+    with core.meta.read_committed() as txn:
+        assert txn.get_inode(ino) is not None and txn.writer_count(ino) == 1
+    core.release(fh)
+    core.meta.commit()
+    with core.meta.read_committed() as txn:
+        assert txn.writer_count(ino) == 0
+
+    def full_device(ino):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core._state, "create_cache_file", full_device)
+    with pytest.raises(OSError):
+        core.create(ROOT, b"failed", 0o644, os.O_WRONLY, ROOT_CALLER)
+    failed = core.lookup(ROOT, b"failed").ino
+    with core.meta.read() as txn:
+        assert txn.writer_count(failed) == 0
+
+
+def test_a_writer_of_a_file_created_read_only_bumps_before_its_first_bytes(core):
+    """Only a create for writing is born with its writer; a file created O_RDONLY may be
+    uploaded before someone opens it for writing, so that writer's bytes need a bump."""
+    fh_ro, ino = new_file(core, b"ro", os.O_RDONLY)
+
+    def generation():
+        with core.meta.read() as txn:
+            return txn.get_inode(ino).generation
+
+    g0 = generation()
+    fh_w = core.open(ino, os.O_WRONLY)
+    core.write(fh_w, 0, b"x")
+    assert generation() == g0 + 1
+    core.release(fh_w)
+    core.release(fh_ro)
 
 
 def test_release_drops_handle_and_writer_count_even_when_persisting_fails(core, monkeypatch):
