@@ -14,6 +14,7 @@ import blake3
 import pytest
 import trio
 from conftest import RENAME_EXCHANGE
+from regressions.test_drain_model_found import marker_checker, recording
 from test_core_remote_names import Node, bucket, fast_drain, node  # noqa: F401 - its fixtures
 from test_drain_support import Crash, DrainEnv, MiB, RecStore, leaves
 
@@ -129,13 +130,19 @@ def test_closing_an_empty_remote_file_opened_without_a_read_returns(node):  # no
     assert node.core.getxattr(node.walk("ckpt/empty").ino, b"user.ckptfs.state") == b"durable"  # checked
 
 
-def evicted_pair(tmp_path) -> DrainEnv:
-    """``a`` (b"aaa") and ``b`` (b"bbb") uploaded, then evicted: the cache no longer holds them."""
+def drained(tmp_path, files: dict[str, bytes]) -> DrainEnv:
+    """``files`` uploaded, on a cache that evicts when told to (and evicts markers too)."""
     env = DrainEnv(tmp_path, settle_seconds=0)
     env.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
-    env.write_file("a", b"aaa")
-    env.write_file("b", b"bbb")
+    for path, data in files.items():
+        env.write_file(path, data)
     env.drain()
+    return env
+
+
+def evicted_pair(tmp_path) -> DrainEnv:
+    """``a`` (b"aaa") and ``b`` (b"bbb") uploaded, then evicted: the cache no longer holds them."""
+    env = drained(tmp_path, {"a": b"aaa", "b": b"bbb"})
     assert env.core.evict(env.ino("a")) and env.core.evict(env.ino("b"))
     return env
 
@@ -262,3 +269,45 @@ def test_a_remote_record_written_before_it_kept_last_modified_loads_and_learns_i
         assert_new_metadata_on_the_same_content_shows(second)
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("evicted", ["nothing", "the shard", "both"])
+def test_a_marker_exchanged_with_a_shard_of_its_checkpoint_reaches_the_bucket(tmp_path, evicted):
+    """Found by test_model_drain (evict two files, RENAME_EXCHANGE them: a checkpoint's marker
+    and one of its shards). The shard needs the key that holds the marker's object; the marker
+    drains only after every shard below its directory: the drain used to wait for ever. The
+    marker's object leaves the shard's key first (parked aside, or, if the cache holds the
+    marker, uploaded again from there); the old marker leaves before the shard is replaced."""
+    env = drained(tmp_path, {"ck/s0": b"shard", "ck/.metadata": b"save 1"})
+    try:
+        if evicted != "nothing":
+            assert env.core.evict(env.ino("ck/s0"))
+        if evicted == "both":  # (a mount never evicts a marker: here, as another node's marker)
+            assert env.core.evict(env.ino("ck/.metadata"))
+        env.rename("ck/s0", "ck/.metadata", RENAME_EXCHANGE)
+        seen, check = marker_checker(env, "ck", {b"save 1": {"s0": b"shard"}, b"shard": {}})
+        env.drain(rec=recording(env, check), timeout=5)
+        assert env.object_bytes("ck/s0") == b"save 1" and env.object_bytes("ck/.metadata") == b"shard"
+        assert env.listing() == ["ck/.metadata", "ck/s0"] and parked_objects(env) == []
+        assert env.pending() == {} and env.tombstones() == {}
+        if evicted != "both":  # (a marker the cache does not hold cannot leave: it could not come back)
+            assert seen == [], "the old marker showed over a replaced shard"
+    finally:
+        env.close()
+
+
+def test_a_shard_promoted_to_marker_then_written_again_reaches_the_bucket(tmp_path):
+    """``mv ck/s0 ck/.metadata``, then a new ``ck/s0``: the new shard needs the key that
+    holds the marker's object, and the marker waits for the new shard."""
+    env = drained(tmp_path, {"ck/s0": b"shard", "ck/.metadata": b"save 1"})
+    try:
+        env.rename("ck/s0", "ck/.metadata")
+        env.write_file("ck/s0", b"new shard")
+        seen, check = marker_checker(env, "ck", {b"save 1": {"s0": b"shard"}, b"shard": {}})
+        env.drain(rec=recording(env, check), timeout=5)
+        assert seen == [], "the old marker showed over the new shard"
+        assert env.object_bytes("ck/s0") == b"new shard" and env.object_bytes("ck/.metadata") == b"shard"
+        assert env.listing() == ["ck/.metadata", "ck/s0"] and parked_objects(env) == []
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
