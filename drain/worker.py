@@ -692,11 +692,11 @@ class Drain:
         blocker = self._blocking_owner(txn, job.ino, job.keys)
         if blocker is None:
             return False
-        if self._frees_key_held_by_marker(txn, job, blocker):
-            return True
         seen = {job.ino, blocker}
         cur = blocker
         for _ in range(1024):
+            if self._frees_key_held_by_marker(txn, job, cur, seen):
+                return True
             keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)]
             nxt = self._blocking_owner(txn, cur, keys)
             if nxt is None or (nxt in seen and nxt != job.ino):
@@ -735,22 +735,24 @@ class Drain:
         except FileNotFoundError:
             return False
 
-    def _frees_key_held_by_marker(self, txn: Txn, job: FileJob, blocker: int) -> bool:
-        """``blocker``, whose object sits at one of ``job``'s keys, is a marker that drains only
-        after ``job`` (below its directory: ``mv ck/s0 ck/.metadata`` then a new ``ck/s0``, or a
-        marker exchanged with a shard). Neither can go first: the marker's object leaves
-        ``job``'s key instead, uploaded again from the cache or, if the cache does not hold it,
-        parked aside by this reconcile (:meth:`_move_marker_aside`). True if so."""
-        blocker_keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(blocker)]
-        if not any(schedule.marker_waits_for(m, k, self.markers) for m in blocker_keys for k in job.keys):
+    def _frees_key_held_by_marker(self, txn: Txn, job: FileJob, marker: int, chain: set[int]) -> bool:
+        """``marker``, whose object sits at a key that ``job`` waits for (directly or through
+        other files' moves: ``chain``), is a marker that drains only after one of those files
+        (below its directory: ``mv ck/s0 ck/.metadata`` then a new ``ck/s0``, a marker exchanged
+        with a shard, or such moves across checkpoints). None can go first: the marker's object
+        leaves that key instead, uploaded again from the cache or, if the cache does not hold
+        it, parked aside by this reconcile (:meth:`_move_marker_aside`). True if so."""
+        marker_keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(marker)]
+        waited_for = [p.decode("utf-8", "surrogateescape") for ino in chain - {marker} for p in txn.paths_of(ino)]
+        if not any(schedule.marker_waits_for(m, k, self.markers) for m in marker_keys for k in waited_for):
             return False
-        inode = txn.get_inode(blocker)
+        inode = txn.get_inode(marker)
         if self._cache_holds(inode):
-            log.info("%s: its marker %s waits for it; uploading the marker again from the cache",
-                     job.keys[0], blocker_keys[0])
+            log.info("%s: the marker %s waits for it; uploading the marker again from the cache",
+                     job.keys[0], marker_keys[0])
             durability.mark_reupload_keeping_object(txn, inode, self.clock())
         else:
-            self.marker_parks[job.ino] = blocker
+            self.marker_parks[job.ino] = marker
         return True
 
     async def _move_marker_aside(self, ino: int) -> None:

@@ -311,3 +311,25 @@ def test_a_shard_promoted_to_marker_then_written_again_reaches_the_bucket(tmp_pa
         assert env.pending() == {} and env.tombstones() == {}
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+def test_a_marker_holding_the_key_of_a_move_its_shard_waits_for_reaches_the_bucket(tmp_path, evicted):
+    """Found by test_model_drain (checkpoints exchanged, evicted files exchanged): a cycle
+    through another checkpoint. The new ``ck2/s0`` waits for the object at its key to move
+    to ``ck1/s0``, that move waits for the object at ``ck1/s0`` (the marker ``ck2/.metadata``'s
+    content now) to leave, and the marker waits for the new ``ck2/s0``: the drain used to
+    wait for ever."""
+    env = drained(tmp_path, {"ck1/s0": b"marker", "ck2/s0": b"moved shard", "ck2/.metadata": b"save 1"})
+    try:
+        if evicted:
+            assert env.core.evict(env.ino("ck1/s0"))
+        env.rename("ck1/s0", "ck2/.metadata")
+        env.rename("ck2/s0", "ck1/s0")
+        env.write_file("ck2/s0", b"new shard")
+        env.drain(timeout=5)
+        assert {k: env.object_bytes(k) for k in env.listing()} == {
+            "ck1/s0": b"moved shard", "ck2/.metadata": b"marker", "ck2/s0": b"new shard"}
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
