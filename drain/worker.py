@@ -631,8 +631,10 @@ class Drain:
                     continue
                 if inode.state == FileState.REMOTE and not inode.is_symlink:
                     continue  # the cache does not hold its content: it could not be put back
-                if remote.key in keys:
-                    continue  # its object is the one this write replaces (a shard's key): no marker
+                if remote.key in keys or txn.owner_of_remote_key(remote.key) != child:
+                    # Its object is the one this write replaces (a shard's key), or another
+                    # inode's content replaced it since (a record kept for a re-upload): no marker.
+                    continue
                 # (a marker written again but not uploaded yet still has its old object out)
                 out[child] = remote.key
         return sorted(out.items())

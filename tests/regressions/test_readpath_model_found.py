@@ -151,6 +151,10 @@ def parked_objects(env: DrainEnv) -> list[str]:
     return env.listing(MOVING_PREFIX)
 
 
+def bucket_contents(env: DrainEnv) -> dict[str, bytes]:
+    return {k: env.object_bytes(k) for k in env.listing()}
+
+
 def test_two_evicted_files_exchanged_reach_the_bucket(tmp_path):
     """Found by test_model_drain (evict, then RENAME_EXCHANGE of checkpoint directories).
     Each object is needed at the other's key and the cache holds neither: the drain used to
@@ -328,8 +332,37 @@ def test_a_marker_holding_the_key_of_a_move_its_shard_waits_for_reaches_the_buck
         env.rename("ck2/s0", "ck1/s0")
         env.write_file("ck2/s0", b"new shard")
         env.drain(timeout=5)
-        assert {k: env.object_bytes(k) for k in env.listing()} == {
+        assert bucket_contents(env) == {
             "ck1/s0": b"moved shard", "ck2/.metadata": b"marker", "ck2/s0": b"new shard"}
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
+
+
+def test_a_shard_resaved_after_a_marker_exchange_keeps_the_exchanged_shards_object(tmp_path):
+    """Found by a hunt of test_model_drain: a marker exchanged with a shard is uploaded again
+    from the cache, keeping the record of its old object (at the shard's key) until then. The
+    other file's copy took that key meanwhile; a re-saved shard below the marker then took the
+    stale record for the marker's object and deleted the key: the copied shard was lost from
+    the bucket while fsmeta called it durable."""
+    env = drained(tmp_path, {"ck/s0": b"shard 0", "ck/s1": b"shard 1", "ck/.metadata": b"save 1"})
+    try:
+        env.rename("ck/s0", "ck/.metadata", RENAME_EXCHANGE)
+        rec = RecStore(None)
+
+        async def crash_before_the_marker(key, extra):
+            if key == "ck/.metadata":
+                raise Crash()
+
+        rec.hooks["put_object"] = crash_before_the_marker
+        with pytest.raises(BaseException) as crashed:  # once ck/s0 holds the exchanged shard
+            env.drain(rec=rec, timeout=5)
+        assert any(isinstance(e, Crash) for e in leaves(crashed.value))
+        assert env.object_bytes("ck/s0") == b"save 1"
+        env.write_file("ck/s1", b"shard 1, saved again")
+        env.drain(timeout=5)
+        assert bucket_contents(env) == {
+            "ck/.metadata": b"shard 0", "ck/s0": b"save 1", "ck/s1": b"shard 1, saved again"}
         assert env.pending() == {} and env.tombstones() == {}
     finally:
         env.close()
