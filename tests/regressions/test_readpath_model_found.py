@@ -366,3 +366,23 @@ def test_a_shard_resaved_after_a_marker_exchange_keeps_the_exchanged_shards_obje
         assert env.pending() == {} and env.tombstones() == {}
     finally:
         env.close()
+
+
+def test_a_file_moved_to_another_directory_waits_for_that_directorys_rename(tmp_path):
+    """Found by a hunt of test_model_drain (files exchanged across checkpoints, then a
+    checkpoint renamed): a file's ``parent`` field kept the directory it was created in, so a
+    rename of the directory it was moved to was not seen as pending above it: ``ckptfs
+    wait-durable``/``status`` called the file done before the drain moved its object, and the
+    drain could take its object's key for another file before copying it."""
+    env = drained(tmp_path, {"d1/f": b"content", "d2/g": b"other"})
+    try:
+        env.rename("d1/f", "d2/f")
+        env.drain(timeout=5)
+        env.rename("d2", "d3")
+        with env.meta.read() as txn:
+            assert durability.pending_ancestor(txn, env.ino("d3/f"))
+            assert [p for p, *_ in durability.pending_under(txn, "d3/f").files] == ["d3/f"]
+        env.drain(timeout=5)
+        assert env.listing() == ["d1/", "d3/f", "d3/g"] and env.object_bytes("d3/f") == b"content"
+    finally:
+        env.close()
