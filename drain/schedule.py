@@ -65,14 +65,8 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
             continue
         if not cand.is_dir and is_marker(cand.path, markers):
             directory = posixpath.dirname(cand.path)
-            blocked = False
-            for other in pending_files:
-                if other.ino == cand.ino or not _below(other.path, directory):
-                    continue
-                same_dir_marker = posixpath.dirname(other.path) == directory and is_marker(other.path, markers)
-                if not same_dir_marker:
-                    blocked = True
-                    break
+            blocked = any(other.ino != cand.ino and marker_waits_for(cand.path, other.path, markers)
+                          for other in pending_files)
             for other in pending_dirs:
                 if (other.path == directory or _below(other.path, directory)
                         or _below(directory, other.path)):
@@ -82,6 +76,17 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
                 continue
         out.append(cand)
     return out
+
+
+def marker_waits_for(marker: str, other: str, markers: list[str]) -> bool:
+    """The marker at ``marker`` drains only after a pending file at ``other``: one below its
+    directory, unless another marker of that same directory."""
+    if not is_marker(marker, markers):
+        return False
+    directory = posixpath.dirname(marker)
+    if not _below(other, directory):
+        return False
+    return not (posixpath.dirname(other) == directory and is_marker(other, markers))
 
 
 def held_by_lost(cand: Candidate, candidates: list[Candidate], markers: list[str]) -> bool:

@@ -195,6 +195,9 @@ class Drain:
         self.invalidate_lock = trio.Lock()
         self.leaving_markers: dict[str, list[str]] = {}  # see _scan
         self.cycle_breaks: set[int] = set()  # inodes whose object _move_aside parks (see _must_wait_for_sources)
+        # file ino -> the marker whose object sits at the file's key and that waits for the
+        # file (see _frees_key_held_by_marker): the file's reconcile parks that object.
+        self.marker_parks: dict[int, int] = {}
 
     # -- fsmeta access (always in a worker thread) ---------------------------------
 
@@ -444,6 +447,9 @@ class Drain:
                         await self._move_aside(job)
                     finally:
                         self.cycle_breaks.discard(job.ino)
+                marker = self.marker_parks.pop(job.ino, None)
+                if marker is not None:
+                    await self._move_marker_aside(marker)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             # Markers first: a marker moving away (RENAME_EXCHANGE of two checkpoints) is deleted
@@ -578,7 +584,14 @@ class Drain:
         keys = [k for k in job.keys if not schedule.is_marker(k, self.markers)]
         if job.durable_in_bucket:
             keys = [k for k in keys if k != job.remote.key]  # rewritten in place: same content
-        if not any(txn.owner_of_remote_key(k) is not None for k in keys):
+        def replaces_object(key: str) -> bool:
+            if txn.owner_of_remote_key(key) is not None:
+                return True
+            # Nobody's record, but an object still there (a parked object's old key).
+            tombstone = txn.get_tombstone(key)
+            return tombstone is not None and tombstone.get("writer") != job.ino
+
+        if not any(replaces_object(k) for k in keys):
             return []  # new names only: nothing the markers vouched for changes
         out: dict[int, str] = {}
         dirs = set()
@@ -618,6 +631,10 @@ class Drain:
                     continue
                 if inode.state == FileState.REMOTE and not inode.is_symlink:
                     continue  # the cache does not hold its content: it could not be put back
+                if remote.key in keys or txn.owner_of_remote_key(remote.key) != child:
+                    # Its object is the one this write replaces (a shard's key), or another
+                    # inode's content replaced it since (a record kept for a re-upload): no marker.
+                    continue
                 # (a marker written again but not uploaded yet still has its old object out)
                 out[child] = remote.key
         return sorted(out.items())
@@ -680,6 +697,8 @@ class Drain:
         seen = {job.ino, blocker}
         cur = blocker
         for _ in range(1024):
+            if self._frees_key_held_by_marker(txn, job, cur, seen):
+                return True
             keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)]
             nxt = self._blocking_owner(txn, cur, keys)
             if nxt is None or (nxt in seen and nxt != job.ino):
@@ -694,13 +713,7 @@ class Drain:
         remote = txn.get_remote(job.ino)
         if inode is None or remote is None:
             return True
-        try:
-            # A REMOTE file's cache file (evicted, or partly fetched) is never whole content.
-            cached = job.is_symlink or job.special or (
-                inode.state != FileState.REMOTE
-                and os.stat(self.cache.data_path(job.ino)).st_size >= inode.size)
-        except FileNotFoundError:
-            cached = False
+        cached = self._cache_holds(inode)
         if not cached and job.durable_in_bucket:
             if not self.cycle_breaks & seen:  # (one object of the cycle moves aside, not each)
                 self.cycle_breaks.add(job.ino)
@@ -712,6 +725,49 @@ class Drain:
         log.info("%s: renames form a cycle; uploading it again from the cache", job.keys[0])
         durability.mark_reupload_keeping_object(txn, inode, self.clock())
         return True
+
+    def _cache_holds(self, inode) -> bool:
+        """The cache holds the inode's whole content (or it has none to hold: a symlink, a
+        special file). A REMOTE file's cache file (evicted, or partly fetched) never does."""
+        if not inode.is_reg:
+            return True
+        try:
+            return (inode.state != FileState.REMOTE
+                    and os.stat(self.cache.data_path(inode.ino)).st_size >= inode.size)
+        except FileNotFoundError:
+            return False
+
+    def _frees_key_held_by_marker(self, txn: Txn, job: FileJob, marker: int, chain: set[int]) -> bool:
+        """``marker``, whose object sits at a key that ``job`` waits for (directly or through
+        other files' moves: ``chain``), is a marker that drains only after one of those files
+        (below its directory: ``mv ck/s0 ck/.metadata`` then a new ``ck/s0``, a marker exchanged
+        with a shard, or such moves across checkpoints). None can go first: the marker's object
+        leaves that key instead, uploaded again from the cache or, if the cache does not hold
+        it, parked aside by this reconcile (:meth:`_move_marker_aside`). True if so."""
+        marker_keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(marker)]
+        waited_for = [p.decode("utf-8", "surrogateescape") for ino in chain - {marker} for p in txn.paths_of(ino)]
+        if not any(schedule.marker_waits_for(m, k, self.markers) for m in marker_keys for k in waited_for):
+            return False
+        inode = txn.get_inode(marker)
+        if self._cache_holds(inode):
+            log.info("%s: the marker %s waits for it; uploading the marker again from the cache",
+                     job.keys[0], marker_keys[0])
+            durability.mark_reupload_keeping_object(txn, inode, self.clock())
+        else:
+            self.marker_parks[job.ino] = marker
+        return True
+
+    async def _move_marker_aside(self, ino: int) -> None:
+        """Park the object of the marker ``ino`` (see :meth:`_frees_key_held_by_marker`)."""
+        if ino in self.busy:
+            return  # reconciled right now: the next round decides again
+        self.busy.add(ino)
+        try:
+            job = await self._read(self._load_file, ino)
+            if job is not None and job.keys and job.durable_in_bucket:
+                await self._move_aside(job)
+        finally:
+            self.busy.discard(ino)
 
     async def _move_aside(self, job: FileJob) -> None:
         """Break a rename cycle among files the cache does not hold: copy this file's object to

@@ -438,7 +438,18 @@ def pending_at_or_above(txn: Txn, ino: int) -> bool:
 
 def pending_ancestor(txn: Txn, ino: int) -> bool:
     """A directory above ``ino`` is pending (renamed, not yet expanded by the drain)."""
-    cur = txn.get_inode(ino)
+    inode = txn.get_inode(ino)
+    if inode is None or inode.is_dir:
+        return _pending_dir_above(txn, inode)
+    # A file's ``parent`` is its first link's parent when it was made: renames do not keep
+    # it (the schema promises it only for directories). Its links say where it is now.
+    return any(_pending_dir_above(txn, txn.get_inode(parent), itself=True) for parent, _ in txn.links_of(ino))
+
+
+def _pending_dir_above(txn: Txn, cur, *, itself: bool = False) -> bool:
+    """A directory above ``cur`` (and, with ``itself``, ``cur``) is pending."""
+    if itself and cur is not None and cur.ino != schema.ROOT_INO and txn.get_pending(cur.ino) is not None:
+        return True
     while cur is not None and cur.ino != schema.ROOT_INO:
         parent = txn.get_inode(cur.parent)
         if parent is None:

@@ -14,6 +14,7 @@ import blake3
 import pytest
 import trio
 from conftest import RENAME_EXCHANGE
+from regressions.test_drain_model_found import marker_checker, recording
 from test_core_remote_names import Node, bucket, fast_drain, node  # noqa: F401 - its fixtures
 from test_drain_support import Crash, DrainEnv, MiB, RecStore, leaves
 
@@ -129,19 +130,29 @@ def test_closing_an_empty_remote_file_opened_without_a_read_returns(node):  # no
     assert node.core.getxattr(node.walk("ckpt/empty").ino, b"user.ckptfs.state") == b"durable"  # checked
 
 
-def evicted_pair(tmp_path) -> DrainEnv:
-    """``a`` (b"aaa") and ``b`` (b"bbb") uploaded, then evicted: the cache no longer holds them."""
+def drained(tmp_path, files: dict[str, bytes]) -> DrainEnv:
+    """``files`` uploaded, on a cache that evicts when told to (and evicts markers too)."""
     env = DrainEnv(tmp_path, settle_seconds=0)
     env.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
-    env.write_file("a", b"aaa")
-    env.write_file("b", b"bbb")
+    for path, data in files.items():
+        env.write_file(path, data)
     env.drain()
+    return env
+
+
+def evicted_pair(tmp_path) -> DrainEnv:
+    """``a`` (b"aaa") and ``b`` (b"bbb") uploaded, then evicted: the cache no longer holds them."""
+    env = drained(tmp_path, {"a": b"aaa", "b": b"bbb"})
     assert env.core.evict(env.ino("a")) and env.core.evict(env.ino("b"))
     return env
 
 
 def parked_objects(env: DrainEnv) -> list[str]:
     return env.listing(MOVING_PREFIX)
+
+
+def bucket_contents(env: DrainEnv) -> dict[str, bytes]:
+    return {k: env.object_bytes(k) for k in env.listing()}
 
 
 def test_two_evicted_files_exchanged_reach_the_bucket(tmp_path):
@@ -262,3 +273,116 @@ def test_a_remote_record_written_before_it_kept_last_modified_loads_and_learns_i
         assert_new_metadata_on_the_same_content_shows(second)
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("evicted", ["nothing", "the shard", "both"])
+def test_a_marker_exchanged_with_a_shard_of_its_checkpoint_reaches_the_bucket(tmp_path, evicted):
+    """Found by test_model_drain (evict two files, RENAME_EXCHANGE them: a checkpoint's marker
+    and one of its shards). The shard needs the key that holds the marker's object; the marker
+    drains only after every shard below its directory: the drain used to wait for ever. The
+    marker's object leaves the shard's key first (parked aside, or, if the cache holds the
+    marker, uploaded again from there); the old marker leaves before the shard is replaced."""
+    env = drained(tmp_path, {"ck/s0": b"shard", "ck/.metadata": b"save 1"})
+    try:
+        if evicted != "nothing":
+            assert env.core.evict(env.ino("ck/s0"))
+        if evicted == "both":  # (a mount never evicts a marker: here, as another node's marker)
+            assert env.core.evict(env.ino("ck/.metadata"))
+        env.rename("ck/s0", "ck/.metadata", RENAME_EXCHANGE)
+        seen, check = marker_checker(env, "ck", {b"save 1": {"s0": b"shard"}, b"shard": {}})
+        env.drain(rec=recording(env, check), timeout=5)
+        assert env.object_bytes("ck/s0") == b"save 1" and env.object_bytes("ck/.metadata") == b"shard"
+        assert env.listing() == ["ck/.metadata", "ck/s0"] and parked_objects(env) == []
+        assert env.pending() == {} and env.tombstones() == {}
+        if evicted != "both":  # (a marker the cache does not hold cannot leave: it could not come back)
+            assert seen == [], "the old marker showed over a replaced shard"
+    finally:
+        env.close()
+
+
+def test_a_shard_promoted_to_marker_then_written_again_reaches_the_bucket(tmp_path):
+    """``mv ck/s0 ck/.metadata``, then a new ``ck/s0``: the new shard needs the key that
+    holds the marker's object, and the marker waits for the new shard."""
+    env = drained(tmp_path, {"ck/s0": b"shard", "ck/.metadata": b"save 1"})
+    try:
+        env.rename("ck/s0", "ck/.metadata")
+        env.write_file("ck/s0", b"new shard")
+        seen, check = marker_checker(env, "ck", {b"save 1": {"s0": b"shard"}, b"shard": {}})
+        env.drain(rec=recording(env, check), timeout=5)
+        assert seen == [], "the old marker showed over the new shard"
+        assert env.object_bytes("ck/s0") == b"new shard" and env.object_bytes("ck/.metadata") == b"shard"
+        assert env.listing() == ["ck/.metadata", "ck/s0"] and parked_objects(env) == []
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+def test_a_marker_holding_the_key_of_a_move_its_shard_waits_for_reaches_the_bucket(tmp_path, evicted):
+    """Found by test_model_drain (checkpoints exchanged, evicted files exchanged): a cycle
+    through another checkpoint. The new ``ck2/s0`` waits for the object at its key to move
+    to ``ck1/s0``, that move waits for the object at ``ck1/s0`` (the marker ``ck2/.metadata``'s
+    content now) to leave, and the marker waits for the new ``ck2/s0``: the drain used to
+    wait for ever."""
+    env = drained(tmp_path, {"ck1/s0": b"marker", "ck2/s0": b"moved shard", "ck2/.metadata": b"save 1"})
+    try:
+        if evicted:
+            assert env.core.evict(env.ino("ck1/s0"))
+        env.rename("ck1/s0", "ck2/.metadata")
+        env.rename("ck2/s0", "ck1/s0")
+        env.write_file("ck2/s0", b"new shard")
+        env.drain(timeout=5)
+        assert bucket_contents(env) == {
+            "ck1/s0": b"moved shard", "ck2/.metadata": b"marker", "ck2/s0": b"new shard"}
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
+
+
+def test_a_shard_resaved_after_a_marker_exchange_keeps_the_exchanged_shards_object(tmp_path):
+    """Found by a hunt of test_model_drain: a marker exchanged with a shard is uploaded again
+    from the cache, keeping the record of its old object (at the shard's key) until then. The
+    other file's copy took that key meanwhile; a re-saved shard below the marker then took the
+    stale record for the marker's object and deleted the key: the copied shard was lost from
+    the bucket while fsmeta called it durable."""
+    env = drained(tmp_path, {"ck/s0": b"shard 0", "ck/s1": b"shard 1", "ck/.metadata": b"save 1"})
+    try:
+        env.rename("ck/s0", "ck/.metadata", RENAME_EXCHANGE)
+        rec = RecStore(None)
+
+        async def crash_before_the_marker(key, extra):
+            if key == "ck/.metadata":
+                raise Crash()
+
+        rec.hooks["put_object"] = crash_before_the_marker
+        with pytest.raises(BaseException) as crashed:  # once ck/s0 holds the exchanged shard
+            env.drain(rec=rec, timeout=5)
+        assert any(isinstance(e, Crash) for e in leaves(crashed.value))
+        assert env.object_bytes("ck/s0") == b"save 1"
+        env.write_file("ck/s1", b"shard 1, saved again")
+        env.drain(timeout=5)
+        assert bucket_contents(env) == {
+            "ck/.metadata": b"shard 0", "ck/s0": b"save 1", "ck/s1": b"shard 1, saved again"}
+        assert env.pending() == {} and env.tombstones() == {}
+    finally:
+        env.close()
+
+
+def test_a_file_moved_to_another_directory_waits_for_that_directorys_rename(tmp_path):
+    """Found by a hunt of test_model_drain (files exchanged across checkpoints, then a
+    checkpoint renamed): a file's ``parent`` field kept the directory it was created in, so a
+    rename of the directory it was moved to was not seen as pending above it: ``ckptfs
+    wait-durable``/``status`` called the file done before the drain moved its object, and the
+    drain could take its object's key for another file before copying it."""
+    env = drained(tmp_path, {"d1/f": b"content", "d2/g": b"other"})
+    try:
+        env.rename("d1/f", "d2/f")
+        env.drain(timeout=5)
+        env.rename("d2", "d3")
+        with env.meta.read() as txn:
+            assert durability.pending_ancestor(txn, env.ino("d3/f"))
+            assert [p for p, *_ in durability.pending_under(txn, "d3/f").files] == ["d3/f"]
+        env.drain(timeout=5)
+        assert env.listing() == ["d1/", "d3/f", "d3/g"] and env.object_bytes("d3/f") == b"content"
+    finally:
+        env.close()
