@@ -5,12 +5,17 @@ Keep every one of these: each failed before its fix (named in the docstring).
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import threading
 import weakref
 
 import pytest
 import trio
 
+from conftest import ROOT, ROOT_CALLER
+from ckptfs.gateway.errors import FsError
 from ckptfs.gateway.workers import Workers
 
 
@@ -118,3 +123,36 @@ def test_an_idle_worker_thread_keeps_nothing_of_its_last_job():
         assert gone() is None
 
     _run_within(10, main)
+
+
+@pytest.mark.parametrize("how", ["create", "mknod"])
+def test_a_create_whose_cache_file_cannot_be_made_leaves_no_name(core, monkeypatch, how):
+    """gateway/core.py FsCore.create (and Namespace.mknod) made the name in one fsmeta
+    transaction and the cache file after it; when the cache file could not be made (ENOSPC,
+    EMFILE) the caller got the error but the name stayed, empty and queued for upload: a
+    retried O_EXCL open of the checkpoint's shard got EEXIST, and the kernel, which got no
+    entry, never sent the forget that would drop it."""
+    failed = []
+    real = core._state.create_cache_file
+
+    def full_device(ino):
+        failed.append(ino)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(core._state, "create_cache_file", full_device)
+    with pytest.raises(OSError) as exc:
+        if how == "create":
+            core.create(ROOT, b"shard", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, ROOT_CALLER)
+        else:
+            core.mknod(ROOT, b"shard", stat.S_IFREG | 0o644, 0, ROOT_CALLER)
+    assert exc.value.errno == errno.ENOSPC
+    with pytest.raises(FsError) as missing:
+        core.lookup(ROOT, b"shard")
+    assert missing.value.errno == errno.ENOENT
+    core.meta.commit()
+    with core.meta.read_committed() as txn:
+        assert txn.get_inode(failed[0]) is None  # nothing left to upload or purge
+        assert txn.writer_count(failed[0]) == 0
+    monkeypatch.setattr(core._state, "create_cache_file", real)
+    fh, _ = core.create(ROOT, b"shard", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, ROOT_CALLER)
+    core.release(fh)
