@@ -463,8 +463,8 @@ class FsCore:
         try:
             fh = self._files.open_handle(inode, flags, created=True)
         except BaseException:
-            if writable:  # else the drain would wait for this writer forever
-                self.meta.write(lambda txn: txn.add_writer(inode.ino, -1))
+            # No name, reference or writer (the drain would wait for it forever) is left
+            self._namespace.abandon_create(parent, name, inode.ino, writer=writable)
             raise
         return fh, self._attr(inode)
 

@@ -101,7 +101,11 @@ class Namespace:
         kind = stat.S_IFMT(mode)
         if kind == stat.S_IFREG:
             inode = self.create_file(parent, name, mode, caller)
-            os.close(self._state.create_cache_file(inode.ino))  # the drain uploads from it
+            try:
+                os.close(self._state.create_cache_file(inode.ino))  # the drain uploads from it
+            except BaseException:
+                self.abandon_create(parent, name, inode.ino)
+                raise
             return inode
         if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
             raise FsError(errno.EINVAL, f"mknod cannot make file type {kind:o}")
@@ -124,6 +128,27 @@ class Namespace:
         records in fsmeta, done in the same transaction (one nested transaction, not three)."""
         return self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller,
                                  then=then)
+
+    def abandon_create(self, parent: int, name: bytes, ino: int, *, writer: bool = False) -> None:
+        """Undo :meth:`create_file` whose cache file or handle could not be made: the kernel
+        gets an error, so it sees no name and holds no reference. Left behind, the name would
+        make a retried O_EXCL open fail (EEXIST) and be uploaded empty. ``writer``: the create
+        counted one (drop it). A name renamed or replaced meanwhile is left as it is."""
+        self._lookups.drop([(ino, 1)])  # the kernel never got the create's reference
+
+        def abandon(txn: Txn) -> None:
+            if writer:
+                txn.add_writer(ino, -1)
+            if txn.lookup(parent, name) != ino:
+                return
+            inode = need_inode(txn, ino)
+            # No tombstone: nothing was uploaded under this name (the writer count or the
+            # missing cache file held the drain back). The purge below drops the rest.
+            txn.remove_entry(parent, name)
+            self._drop_link(txn, inode, self._state.clock())
+
+        self._state.meta.write(abandon)
+        self._lookups.maybe_purge(ino)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         check_name(new_name)

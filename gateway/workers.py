@@ -14,6 +14,7 @@ limiter allows 40 too); more wait in the queue, in order.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -23,6 +24,8 @@ import outcome
 import trio
 
 T = TypeVar("T")
+
+log = logging.getLogger("ckptfs.fuse")
 
 MAX_THREADS = 40  # as trio.to_thread's default capacity limiter
 
@@ -58,13 +61,33 @@ class Workers:
                 self._threads += 1
                 self._idle += 1
             self._idle -= 1  # this job takes an idle thread (or waits for one)
+        # The thread starts before the job is queued: a start can fail ("can't start new
+        # thread": a pids limit), and a job the caller was told failed must never run later.
+        if start and not self._start_thread():
+            raise RuntimeError("no worker thread: none could be started")
         self._jobs.put((fn, args, deliver))
-        if start:
+
+    def _start_thread(self) -> bool:
+        """Start the thread counted for a job; if that fails, un-count it. False: no thread
+        at all will take the job (else one running now will, as past the limit)."""
+        try:
             threading.Thread(target=self._work, name=self._name, daemon=True).start()
+            return True
+        except RuntimeError:
+            log.warning("cannot start a worker thread; %d running", self._threads - 1, exc_info=True)
+            with self._lock:
+                self._threads -= 1
+                self._idle -= 1  # the idle turn counted for the thread that did not start
+                if self._threads > 0:
+                    return True
+                self._idle += 1  # the job is not queued: it takes no turn
+                return False
 
     def _work(self) -> None:
         while True:
             fn, args, deliver = self._jobs.get()
             deliver(outcome.capture(fn, *args))
+            # An idle thread must not keep its last job alive (a WRITE's buffer, the task)
+            fn = args = deliver = None
             with self._lock:
                 self._idle += 1

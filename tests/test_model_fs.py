@@ -45,6 +45,8 @@ OPEN_FLAGS = st.sampled_from([
 CREATE_FLAGS = st.sampled_from([
     os.O_CREAT | os.O_WRONLY, os.O_CREAT | os.O_RDWR, os.O_CREAT | os.O_EXCL | os.O_RDWR,
     os.O_CREAT | os.O_TRUNC | os.O_WRONLY, os.O_CREAT | os.O_APPEND | os.O_WRONLY,
+    # A create that does not count a writer (a later open for writing must bump first)
+    os.O_CREAT | os.O_RDONLY,
 ])
 RENAME_FLAGS = st.sampled_from([0, 0, RENAME_NOREPLACE, RENAME_EXCHANGE])
 
@@ -174,6 +176,12 @@ class FsModel(RuleBasedStateMachine):
                 if r[0] == "ok":
                     os.close(r[1])
             assert res[0] == res[1], f"open({path}, {flags:#o}): mount gave {res[0]}, local gave {res[1]}"
+
+    @rule(path=PATHS)
+    def mknod(self, path):
+        """A regular file made without an open (its cache file is made with no handle).
+        (No FIFOs: the steps' opens and reads of one would block.)"""
+        self.both(f"mknod {path}", lambda r: os.mknod(os.path.join(r, path), stat.S_IFREG | 0o640))
 
     @rule(path=PATHS)
     def mkdir(self, path):
