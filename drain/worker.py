@@ -461,6 +461,13 @@ class Drain:
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             if await self._read(self._must_wait_for_leaving_objects, job):
+                partner = await self._read(self._shape_cycle_partner, job)
+                if partner is not None and not self.cycle_breaks & {job.ino, partner}:
+                    self.cycle_breaks.add(job.ino)  # (the partner, reconciled meanwhile, waits)
+                    try:
+                        await self._move_aside(job)
+                    finally:
+                        self.cycle_breaks.discard(job.ino)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
@@ -509,6 +516,33 @@ class Drain:
         (:func:`durability.key_shape_in_flux`)."""
         return (self._replaces_below_leaving_marker(txn, job)
                 or any(durability.key_shape_in_flux(txn, k) for k in job.keys))
+
+    @staticmethod
+    def _shape_cycle_partner(txn: Txn, job: FileJob) -> int | None:
+        """An inode whose object of the other shape ``job`` waits for (directly or through
+        other such waits) and which waits, the same way, for ``job``'s own object to leave: a
+        file exchanged with a directory that holds files (``d/b``'s move to ``a/b`` waits for
+        the file object ``a``, whose move to ``d`` waits for ``d/b``). Neither can go first, so
+        ``job``'s object moves aside (:meth:`_move_aside`); None if there is no such cycle, or
+        ``job``'s object cannot move aside (its content is not the one in the bucket)."""
+        if job.remote is None or not job.durable_in_bucket:
+            return None
+        first: dict[int, int] = {}  # inode reached -> the blocker of job's keys it was reached through
+        todo = []
+        for key in job.keys:
+            for owner in durability.shape_blockers(txn, key):
+                first.setdefault(owner, owner)
+                todo.append(owner)
+        while todo:
+            cur = todo.pop()
+            for path in txn.paths_of(cur):
+                for owner in durability.shape_blockers(txn, path.decode("utf-8", "surrogateescape")):
+                    if owner == job.ino:
+                        return first[cur]
+                    if owner not in first:
+                        first[owner] = first[cur]
+                        todo.append(owner)
+        return None
 
     def _replaces_below_leaving_marker(self, txn: Txn, job: FileJob) -> bool:
         """Writing ``job`` would replace an object below the old directory of a marker that is

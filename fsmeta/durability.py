@@ -31,6 +31,7 @@ lifecycle engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import schema
@@ -329,6 +330,17 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
     ``key`` (``mv a c; mv d a``: ``a`` until it has moved). A ``file://`` bucket cannot hold
     both shapes; an S3 reader would see a file and a directory of one name. The writer of
     ``key`` waits until they are gone (deleted, or moved to their inode's name)."""
+    return next(_other_shape_leaving(txn, key), False) is not False
+
+
+def shape_blockers(txn: Txn, key: str) -> set[int]:
+    """The inodes whose objects make :func:`key_shape_in_flux` true for ``key`` (objects that
+    will move; a tombstoned object has no owner)."""
+    return {owner for owner in _other_shape_leaving(txn, key) if owner is not None}
+
+
+def _other_shape_leaving(txn: Txn, key: str) -> Iterator[int | None]:
+    """The owner (None: a tombstone) of each object of ``key``'s other shape on its way out."""
     base = key.rstrip("/")
 
     def leaving(k: str, owner: int) -> bool:
@@ -336,24 +348,22 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
 
     if not key.endswith("/"):  # (a directory's marker ``d/`` and the objects below it coexist)
         if next(txn.tombstones_below(base + "/"), None) is not None:
-            return True
-        if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
-            return True
+            yield None
+        yield from (owner for k, owner in txn.remote_keys_below(base + "/") if leaving(k, owner))
     else:  # a directory's marker ``d/``: a file object ``d`` on its way out (RENAME_EXCHANGE)
         if txn.get_tombstone(base) is not None:
-            return True
+            yield None
         owner = txn.owner_of_remote_key(base)
         if owner is not None and leaving(base, owner):
-            return True
+            yield owner
     parts = base.split("/")
     for i in range(1, len(parts)):
         above = "/".join(parts[:i])
         if txn.get_tombstone(above) is not None:
-            return True
+            yield None
         owner = txn.owner_of_remote_key(above)
         if owner is not None and leaving(above, owner):
-            return True
-    return False
+            yield owner
 
 
 # -- queries -----------------------------------------------------------------------------

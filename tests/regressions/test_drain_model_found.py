@@ -274,6 +274,20 @@ def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # n
     assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
 
 
+def test_a_file_exchanged_with_a_directory_that_holds_a_file_reaches_the_bucket(denv):  # noqa: F811
+    """Found by the drain model (seed 11; mkdir d; write d/b; write a; drain; RENAME_EXCHANGE
+    a d). The file's copy to ``d`` waited for ``d/b`` to leave (a key cannot be a file and a
+    directory at once), and ``d/b``'s copy to ``a/b`` waited for the file object ``a`` to
+    leave: the drain never emptied."""
+    denv.write_file("d/b", b"")
+    denv.write_file("a", b"file")
+    denv.drain()
+    denv.rename("a", "d", RENAME_EXCHANGE)
+    rec = denv.drain(timeout=10)
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {"a/b": b"", "d": b"file"}
+    assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
+
+
 def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
     denv.write_file("ck0/s0", b"first save")
     denv.write_file("ck0/.metadata", b"save 1")
