@@ -309,6 +309,20 @@ def moved_aside(txn: Txn, ino: int, old_key: str, record: RemoteRecord) -> bool:
     return True
 
 
+def drop_superseded_object(txn: Txn, inode: Inode) -> bool:
+    """The file's recorded object holds content its cache has since replaced (it will be
+    uploaded from the cache), and that object stands in the way of other inodes' moves that
+    its own upload waits for (a file exchanged with a directory that holds files, both
+    rewritten since): tombstone it now, not at the upload's commit, so it leaves first.
+    The caller checked that the cache holds the file whole. False if nothing was dropped."""
+    remote = txn.get_remote(inode.ino)
+    if remote is None or inode.durable_generation == inode.generation or inode.state == FileState.REMOTE:
+        return False
+    txn.delete_remote(inode.ino)
+    txn.add_tombstone(remote.key)
+    return True
+
+
 def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
     """A tombstone that is the intent of a write (:func:`begin_bucket_writes`) whose inode is
     still pending under ``key``: not a delete (yet); the inode's upload decides."""

@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
-from ckptfs.drain.store import StoreError  # noqa: E402
+from ckptfs.drain.store import MOVING_PREFIX, StoreError  # noqa: E402
 from ckptfs.gateway.core import RENAME_EXCHANGE, SetattrRequest  # noqa: E402
+from ckptfs.gateway.space import SpaceLimits
 
 
 def marker_checker(env, directory: str, saves: dict[bytes, dict[str, bytes]]):
@@ -274,17 +275,30 @@ def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # n
     assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
 
 
-def test_a_file_exchanged_with_a_directory_that_holds_a_file_reaches_the_bucket(denv):  # noqa: F811
+@pytest.mark.parametrize("then", ["nothing", "file-rewritten", "inner-rewritten", "both-rewritten", "both-evicted"])
+def test_a_file_exchanged_with_a_directory_that_holds_a_file_reaches_the_bucket(denv, then):  # noqa: F811
     """Found by the drain model (seed 11; mkdir d; write d/b; write a; drain; RENAME_EXCHANGE
     a d). The file's copy to ``d`` waited for ``d/b`` to leave (a key cannot be a file and a
     directory at once), and ``d/b``'s copy to ``a/b`` waited for the file object ``a`` to
-    leave: the drain never emptied."""
-    denv.write_file("d/b", b"")
+    leave: the drain never emptied. One of the two objects leaves first: parked aside, or, if
+    the cache has replaced its content since, deleted."""
+    denv.write_file("d/b", b"inner")
     denv.write_file("a", b"file")
     denv.drain()
+    if then == "both-evicted":
+        denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+        assert denv.core.evict(denv.ino("a")) and denv.core.evict(denv.ino("d/b"))
     denv.rename("a", "d", RENAME_EXCHANGE)
+    expected = {"a/b": b"inner", "d": b"file"}
+    if then in ("file-rewritten", "both-rewritten"):
+        denv.write_file("d", b"new file")
+        expected["d"] = b"new file"
+    if then in ("inner-rewritten", "both-rewritten"):
+        denv.write_file("a/b", b"new inner")
+        expected["a/b"] = b"new inner"
     rec = denv.drain(timeout=10)
-    assert {k: denv.object_bytes(k) for k in denv.listing()} == {"a/b": b"", "d": b"file"}
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == expected
+    assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {}
     assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
 
 
