@@ -461,6 +461,9 @@ class Drain:
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             if await self._read(self._must_wait_for_leaving_objects, job):
+                partner = await self._read(self._shape_cycle_partner, job)
+                if partner is not None and not self.cycle_breaks & {job.ino, partner}:
+                    await self._break_shape_cycle(job)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
@@ -509,6 +512,51 @@ class Drain:
         (:func:`durability.key_shape_in_flux`)."""
         return (self._replaces_below_leaving_marker(txn, job)
                 or any(durability.key_shape_in_flux(txn, k) for k in job.keys))
+
+    @staticmethod
+    def _shape_cycle_partner(txn: Txn, job: FileJob) -> int | None:
+        """An inode whose object of the other shape ``job`` waits for (directly or through
+        other such waits) and which waits, the same way, for ``job``'s own object to leave: a
+        file exchanged with a directory that holds files (``d/b``'s move to ``a/b`` waits for
+        the file object ``a``, whose move to ``d`` waits for ``d/b``). Neither can go first, so
+        ``job``'s object leaves first (:meth:`_break_shape_cycle`). None if there is no such cycle."""
+        if job.remote is None:
+            return None
+        first: dict[int, int] = {}  # inode reached -> the blocker of job's keys it was reached through
+        todo = []
+        for key in job.keys:
+            for owner in durability.shape_blockers(txn, key):
+                first.setdefault(owner, owner)
+                todo.append(owner)
+        while todo:
+            cur = todo.pop()
+            for path in txn.paths_of(cur):
+                for owner in durability.shape_blockers(txn, path.decode("utf-8", "surrogateescape")):
+                    if owner == job.ino:
+                        return first[cur]
+                    if owner not in first:
+                        first[owner] = first[cur]
+                        todo.append(owner)
+        return None
+
+    async def _break_shape_cycle(self, job: FileJob) -> None:
+        """Take ``job``'s object out of a :meth:`_shape_cycle_partner` cycle: park it aside if
+        it is the file's content; if the cache has replaced that content, delete it now."""
+        self.cycle_breaks.add(job.ino)  # (the partner, reconciled meanwhile, waits)
+        try:
+            if job.durable_in_bucket:
+                await self._move_aside(job)
+                return
+
+            def drop(txn: Txn) -> bool:
+                inode = txn.get_inode(job.ino)
+                return inode is not None and self._cache_holds(inode) and durability.drop_superseded_object(txn, inode)
+
+            if await self._write(drop):
+                log.info("%s: its old object %s stands in the way of moves it waits for; deleting it now",
+                         job.keys[0], job.remote.key)
+        finally:
+            self.cycle_breaks.discard(job.ino)
 
     def _replaces_below_leaving_marker(self, txn: Txn, job: FileJob) -> bool:
         """Writing ``job`` would replace an object below the old directory of a marker that is

@@ -31,6 +31,7 @@ lifecycle engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import schema
@@ -308,6 +309,20 @@ def moved_aside(txn: Txn, ino: int, old_key: str, record: RemoteRecord) -> bool:
     return True
 
 
+def drop_superseded_object(txn: Txn, inode: Inode) -> bool:
+    """The file's recorded object holds content its cache has since replaced (it will be
+    uploaded from the cache), and that object stands in the way of other inodes' moves that
+    its own upload waits for (a file exchanged with a directory that holds files, both
+    rewritten since): tombstone it now, not at the upload's commit, so it leaves first.
+    The caller checked that the cache holds the file whole. False if nothing was dropped."""
+    remote = txn.get_remote(inode.ino)
+    if remote is None or inode.durable_generation == inode.generation or inode.state == FileState.REMOTE:
+        return False
+    txn.delete_remote(inode.ino)
+    txn.add_tombstone(remote.key)
+    return True
+
+
 def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
     """A tombstone that is the intent of a write (:func:`begin_bucket_writes`) whose inode is
     still pending under ``key``: not a delete (yet); the inode's upload decides."""
@@ -329,6 +344,17 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
     ``key`` (``mv a c; mv d a``: ``a`` until it has moved). A ``file://`` bucket cannot hold
     both shapes; an S3 reader would see a file and a directory of one name. The writer of
     ``key`` waits until they are gone (deleted, or moved to their inode's name)."""
+    return next(_other_shape_leaving(txn, key), False) is not False
+
+
+def shape_blockers(txn: Txn, key: str) -> set[int]:
+    """The inodes whose objects make :func:`key_shape_in_flux` true for ``key`` (objects that
+    will move; a tombstoned object has no owner)."""
+    return {owner for owner in _other_shape_leaving(txn, key) if owner is not None}
+
+
+def _other_shape_leaving(txn: Txn, key: str) -> Iterator[int | None]:
+    """The owner (None: a tombstone) of each object of ``key``'s other shape on its way out."""
     base = key.rstrip("/")
 
     def leaving(k: str, owner: int) -> bool:
@@ -336,24 +362,22 @@ def key_shape_in_flux(txn: Txn, key: str) -> bool:
 
     if not key.endswith("/"):  # (a directory's marker ``d/`` and the objects below it coexist)
         if next(txn.tombstones_below(base + "/"), None) is not None:
-            return True
-        if any(leaving(k, owner) for k, owner in txn.remote_keys_below(base + "/")):
-            return True
+            yield None
+        yield from (owner for k, owner in txn.remote_keys_below(base + "/") if leaving(k, owner))
     else:  # a directory's marker ``d/``: a file object ``d`` on its way out (RENAME_EXCHANGE)
         if txn.get_tombstone(base) is not None:
-            return True
+            yield None
         owner = txn.owner_of_remote_key(base)
         if owner is not None and leaving(base, owner):
-            return True
+            yield owner
     parts = base.split("/")
     for i in range(1, len(parts)):
         above = "/".join(parts[:i])
         if txn.get_tombstone(above) is not None:
-            return True
+            yield None
         owner = txn.owner_of_remote_key(above)
         if owner is not None and leaving(above, owner):
-            return True
-    return False
+            yield owner
 
 
 # -- queries -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Each is ``xfail(strict=True)`` while its defect is open: when a fix lands, the test passes,
 the strict xfail fails, and the marker must go (and the model's constraint naming the defect
-with it). None is open now.
+with it). Open now: a directory rename leaves a second hard link's old object behind
+(``OLD_LINK_KEY_LEAKS``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
-from ckptfs.drain.store import StoreError  # noqa: E402
+from ckptfs.drain.store import MOVING_PREFIX, StoreError  # noqa: E402
 from ckptfs.gateway.core import RENAME_EXCHANGE, SetattrRequest  # noqa: E402
+from ckptfs.gateway.space import SpaceLimits
 
 
 def marker_checker(env, directory: str, saves: dict[bytes, dict[str, bytes]]):
@@ -272,6 +274,64 @@ def test_a_file_exchanged_with_an_empty_directory_reaches_the_bucket(denv):  # n
     assert sorted(denv.listing()) == ["a", "d/"]
     assert denv.object_bytes("a") == b"file"
     assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
+
+
+@pytest.mark.parametrize("then", ["nothing", "file-rewritten", "inner-rewritten", "both-rewritten", "both-evicted"])
+def test_a_file_exchanged_with_a_directory_that_holds_a_file_reaches_the_bucket(denv, then):  # noqa: F811
+    """Found by the drain model (seed 11; mkdir d; write d/b; write a; drain; RENAME_EXCHANGE
+    a d). The file's copy to ``d`` waited for ``d/b`` to leave (a key cannot be a file and a
+    directory at once), and ``d/b``'s copy to ``a/b`` waited for the file object ``a`` to
+    leave: the drain never emptied. One of the two objects leaves first: parked aside, or, if
+    the cache has replaced its content since, deleted."""
+    denv.write_file("d/b", b"inner")
+    denv.write_file("a", b"file")
+    denv.drain()
+    if then == "both-evicted":
+        denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+        assert denv.core.evict(denv.ino("a")) and denv.core.evict(denv.ino("d/b"))
+    denv.rename("a", "d", RENAME_EXCHANGE)
+    expected = {"a/b": b"inner", "d": b"file"}
+    if then in ("file-rewritten", "both-rewritten"):
+        denv.write_file("d", b"new file")
+        expected["d"] = b"new file"
+    if then in ("inner-rewritten", "both-rewritten"):
+        denv.write_file("a/b", b"new inner")
+        expected["a/b"] = b"new inner"
+    rec = denv.drain(timeout=10)
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == expected
+    assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {}
+    assert [e for e in rec.events if e[2] == "error"] == []  # no key held both shapes at once
+
+
+def linked_into_renamed_directory(env) -> None:
+    """``b`` with a second link ``c/x``, drained, then ``mv c a``."""
+    env.mkdir("c")
+    env.write_file("b", b"linked")
+    env.core.link(env.ino("b"), env.ino("c"), b"x")
+    env.drain()
+    env.rename("c", "a")
+
+
+OLD_LINK_KEY_LEAKS = ("open: the drain records only a file's first key (remote.key); a directory "
+                      "rename moves its second link's object but never deletes the old one (c/x)")
+
+
+@pytest.mark.xfail(strict=True, reason=OLD_LINK_KEY_LEAKS)
+def test_a_renamed_directory_holding_a_second_link_leaves_no_object_at_the_old_name(denv):  # noqa: F811
+    """Found by the drain model (seed 11, after the exchange defect above was fixed)."""
+    linked_into_renamed_directory(denv)
+    denv.drain(timeout=5)
+    assert denv.listing() == ["a/x", "b"]
+
+
+@pytest.mark.xfail(strict=True, reason=OLD_LINK_KEY_LEAKS + ": a file at c then never uploads on file://")
+def test_a_file_at_the_old_name_of_a_directory_that_held_a_second_link_reaches_the_bucket(denv):  # noqa: F811
+    """Found by the drain model (seed 11): the left-over ``c/x`` is a prefix in the way of the
+    file ``c`` (KeyConflict, retried for ever: the drain never empties)."""
+    linked_into_renamed_directory(denv)
+    denv.write_file("c", b"file")
+    denv.drain(timeout=5)
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {"a/x": b"linked", "b": b"linked", "c": b"file"}
 
 
 def test_a_new_save_under_a_renamed_checkpoints_old_name_never_shows_the_old_marker(denv):  # noqa: F811
