@@ -1,7 +1,7 @@
 """The filesystem core: POSIX semantics over fsmeta and the cache directory.
 
 Synchronous and thread-safe: the FUSE layer calls every method from a worker
-thread (``trio.to_thread``), except the ``*_nowait`` ones, which it tries first on its
+thread (``gateway/workers.py``), except the ``*_nowait`` ones, which it tries first on its
 trio loop (they read fsmeta without waiting, or raise WouldBlock having changed nothing);
 tests call it directly, without FUSE.
 
