@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from integration.bench_drain import loadavg
+from integration.bench_drain import loadavg, proc_cpu
 from integration.test_drain_common import Mount, ckptfs_cmd, s3_env
 
 
@@ -127,13 +127,6 @@ def evict_all(cache: Path) -> int:
         if os.path.exists(with_path):
             os.unlink(with_path)
     return len(inos)
-
-
-def cpu_seconds_of(pid: int) -> float:
-    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def vm_hwm_mib(pid: int) -> float:
@@ -252,10 +245,10 @@ def main(argv=None) -> int:
                 for side in (("mount", "boto3") if r % 2 == 0 else ("boto3", "mount")):
                     if side == "mount":
                         m.start()
-                        cpu0, t0 = cpu_seconds_of(m.proc.pid), time.monotonic()
+                        cpu0, t0 = proc_cpu([m.proc.pid]), time.monotonic()
                         run(m.mnt)
                         note(f"{name}: mount", nbytes / (time.monotonic() - t0))
-                        note(f"{name}: gateway CPU", (cpu_seconds_of(m.proc.pid) - cpu0) / (nbytes / GiB))
+                        note(f"{name}: gateway CPU", (proc_cpu([m.proc.pid]) - cpu0) / (nbytes / GiB))
                         m.unmount()
                         evict_all(m.cache)
                     else:
@@ -272,10 +265,10 @@ def main(argv=None) -> int:
             note("everything: boto3", nbytes / (time.monotonic() - t0))
             shutil.rmtree(bench.dl, ignore_errors=True)
             m.start()
-            cpu0, t0 = cpu_seconds_of(m.proc.pid), time.monotonic()
+            cpu0, t0 = proc_cpu([m.proc.pid]), time.monotonic()
             subprocess.run([*ckptfs_cmd(), "prefetch", str(m.mnt / "ckpt")], check=True, capture_output=True)
             note("everything: prefetch", nbytes / (time.monotonic() - t0))
-            note("everything: gateway CPU", (cpu_seconds_of(m.proc.pid) - cpu0) / (nbytes / GiB))
+            note("everything: gateway CPU", (proc_cpu([m.proc.pid]) - cpu0) / (nbytes / GiB))
             # warm: through the mount (native data path) vs the plain copies
             for name, (ckeys, run) in cases.items():
                 nb = sum(sizes[k] for k in ckeys)

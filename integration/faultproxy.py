@@ -677,15 +677,9 @@ class FaultProxy:
             raise _ClientGone() from None
         if reset_at is not None:
             # RST the client, abandon the half-sent request upstream
-            sock = cwriter.transport.get_extra_info("socket")
-            if sock is not None:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                except OSError:
-                    pass
             rec.outcome = "reset"
             rec.t_end = time.monotonic()
-            self._abort(cwriter)
+            self._reset(cwriter)
             raise _ClientGone()
 
     async def _read_response_head(self, ureader):

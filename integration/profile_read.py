@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from integration.bench_read import Bench, cpu_seconds_of, evict_all, read_file, tear_down, write_random
+from integration.bench_drain import proc_cpu
+from integration.bench_read import Bench, evict_all, read_file, tear_down, write_random
 from integration.test_drain_common import ckptfs_cmd, s3_env
 
 
@@ -84,12 +85,12 @@ def main(argv=None) -> int:
             prof = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if cmd else None
             if prof is not None:
                 time.sleep(1.5)  # attached before the first byte
-            cpu0, t0 = cpu_seconds_of(pid), time.monotonic()
+            cpu0, t0 = proc_cpu([pid]), time.monotonic()
             if what == "read":
                 read_file(m.mnt / "ckpt/big.bin")
             else:
                 subprocess.run([*ckptfs_cmd(), "prefetch", str(m.mnt / "ckpt")], check=True, capture_output=True)
-            seconds, cpu = time.monotonic() - t0, cpu_seconds_of(pid) - cpu0
+            seconds, cpu = time.monotonic() - t0, proc_cpu([pid]) - cpu0
             if prof is not None:
                 prof.send_signal(signal.SIGINT)
                 prof.wait(timeout=120)

@@ -93,6 +93,11 @@ def _print_json(summary: dict) -> None:
     sys.stdout.write("\n")
 
 
+def _print_errors(errors: dict[str, str]) -> None:
+    for file_path, message in sorted(errors.items()):
+        print(f"  {file_path}: {message}", file=sys.stderr)
+
+
 def _on_a_mount(command: str, path: str) -> bool:
     try:
         find_mount(path)
@@ -118,8 +123,7 @@ def cmd_prefetch(args: argparse.Namespace, argv: list[str]) -> int:
         rate = f"{summary['gbps']:.2f} GB/s" if summary["gbps"] is not None else "-"
         print(f"prefetch: {summary['files']} files, {human_bytes(summary['bytes'])} "
               f"({human_bytes(summary['fetched'])} from the bucket) in {summary['seconds']:.2f} s, {rate}")
-        for file_path, message in sorted(summary["errors"].items()):
-            print(f"  {file_path}: {message}", file=sys.stderr)
+        _print_errors(summary["errors"])
     return 1 if summary["errors"] else 0
 
 
@@ -129,7 +133,7 @@ def evict(path: str) -> dict:
     kept: list[str] = []
     errors: dict[str, str] = {}
     files = files_under(path)
-    for file_path, size in files:
+    for file_path, _ in files:
         try:
             answer = json.loads(os.getxattr(file_path, os.fsdecode(EVICT_XATTR)))
         except OSError as exc:
@@ -154,8 +158,7 @@ def cmd_evict(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"evict: {summary['files']} files, {summary['evicted']} in the bucket only "
               f"({human_bytes(summary['evicted_bytes'])}), {len(summary['kept'])} kept in the cache "
               "(not in the bucket yet, open, or a commit marker)")
-        for file_path, message in sorted(summary["errors"].items()):
-            print(f"  {file_path}: {message}", file=sys.stderr)
+        _print_errors(summary["errors"])
     return 1 if summary["errors"] else 0
 
 
