@@ -38,7 +38,7 @@ from . import datapath, recovery
 from .bucket import BucketClient
 from .errors import FsError
 from .fetch import Fetcher, ReadSettings
-from .files import Handle, OpenFiles
+from .files import Handle, OpenFile, OpenFiles
 from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
@@ -315,9 +315,14 @@ class FsCore:
             return self._attr_locked(inode, may_stat=False)
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
+        # Pinned: a truncate by path (no handle) uses the open file's fd while its last
+        # handle may be released in another worker thread.
+        with self._files.pinned(ino) as of:
+            return self._setattr(ino, req, of)
+
+    def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None) -> Attr:
         now = self.clock()
         with self._state.lock:
-            of = self._open.get(ino)
             times_only = (of is not None and of.attrs_dirty and self._state.backing is None and req.mtime_ns is not None
                           and req.size is None and req.mode is None and req.uid is None
                           and req.gid is None and req.atime_ns is None)

@@ -342,20 +342,36 @@ class OpenFiles:
             # A shared mapping can outlive this release: keep comparing for a while.
             s.backing.watch(of.ino, s.data_path(of.ino), of.cache_stat)
 
-    def truncate_data(self, ino: int, size: int) -> None:
+    @contextlib.contextmanager
+    def pinned(self, ino: int):
+        """The inode's open file, or None, kept open until the block ends. A thread that
+        found it in ``open_files`` and uses its fd after dropping the state lock needs this:
+        its last handle's release, in another thread, would close the fd (and the number
+        could name another cache file by then)."""
         s = self._state
         with s.lock:
             of = s.open_files.get(ino)
-            if of is None:
-                s.wait_not_evicting(ino)  # its new content must not be unlinked under it
-        if of is not None:
-            os.ftruncate(of.fd, size)
-        else:
-            fd = s.open_cache_file(ino)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+            if of is not None:
+                of.refs += 1
+        try:
+            yield of
+        finally:
+            if of is not None:
+                self._unref(of, writable=False)
+
+    def truncate_data(self, ino: int, size: int) -> None:
+        s = self._state
+        with self.pinned(ino) as of:
+            if of is not None:
+                os.ftruncate(of.fd, size)
+                return
+        with s.lock:
+            s.wait_not_evicting(ino)  # its new content must not be unlinked under it
+        fd = s.open_cache_file(ino)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
 
     def flush(self, fh: int) -> None:
         h = self.handle(fh)
@@ -399,24 +415,29 @@ class OpenFiles:
                 finally:
                     s.meta.write(lambda txn: txn.add_writer(of.ino, -1))
         finally:
-            with s.lock:
-                of.refs -= 1
-                if h.writable:
-                    of.writers -= 1
-                last = of.refs == 0
-                if last:
-                    del s.open_files[of.ino]
+            self._unref(of, h.writable)
+
+    def _unref(self, of: OpenFile, writable: bool) -> None:
+        """Drop a handle's (or a pin's) reference; the last one closes the open file."""
+        s = self._state
+        with s.lock:
+            of.refs -= 1
+            if writable:
+                of.writers -= 1
+            last = of.refs == 0
             if last:
-                if s.backing is not None:
-                    self._release_backing(of)
-                if of.remote is not None:
-                    # The next open takes the native path if the fetch completed: wait for the
-                    # cached-clean commit (close(2) does not wait for RELEASE).
-                    with contextlib.suppress(FsError):  # reported to the reader already
-                        s.fetcher.wait_checked(of.remote, commit=True)
-                    s.fetcher.release(of.remote)
-                if s.space is not None:
-                    s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
-                os.close(of.fd)
-                self._lookups.maybe_purge(of.ino)
-                s.bound_unsynced_names()
+                del s.open_files[of.ino]
+        if last:
+            if s.backing is not None:
+                self._release_backing(of)
+            if of.remote is not None:
+                # The next open takes the native path if the fetch completed: wait for the
+                # cached-clean commit (close(2) does not wait for RELEASE).
+                with contextlib.suppress(FsError):  # reported to the reader already
+                    s.fetcher.wait_checked(of.remote, commit=True)
+                s.fetcher.release(of.remote)
+            if s.space is not None:
+                s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
+            os.close(of.fd)
+            self._lookups.maybe_purge(of.ino)
+            s.bound_unsynced_names()

@@ -27,6 +27,7 @@ def path():
     parts = [rng.choice(NAMES) for _ in range(rng.randint(1, 3))]
     return os.path.join(root, *parts)
 errs = {}
+where = {}  # error name -> the operations (op numbers) that got it
 ops = 0
 aligned = mmap.mmap(-1, 8192)
 aligned.write(bytes([seed % 256]) * 8192)
@@ -82,7 +83,8 @@ while time.monotonic() < deadline:
     except OSError as e:
         name = errno.errorcode.get(e.errno, str(e.errno))
         errs[name] = errs.get(name, 0) + 1
-print(json.dumps({"ops": ops, "errors": errs}))
+        where.setdefault(name, set()).add(op)
+print(json.dumps({"ops": ops, "errors": errs, "where": {k: sorted(v) for k, v in where.items()}}))
 '''
 
 # Errors the random operations may legitimately get on a local filesystem.
@@ -109,7 +111,8 @@ def test_hostile_concurrent_workload_leaves_mount_alive_and_consistent(gateway):
             seen[name] = seen.get(name, 0) + n
     print(f"{total} operations, errors: {seen}")
     assert total > 200, results
-    assert set(seen) <= EXPECTED, f"unexpected errors from the mount: {seen}"
+    where = {name: sorted({op for r in results for op in r["where"].get(name, [])}) for name in set(seen) - EXPECTED}
+    assert set(seen) <= EXPECTED, f"unexpected errors from the mount: {seen}; got by op numbers {where}"
     assert gateway.alive
     # The mount still works, and what it shows is stable across a clean remount.
     (gateway.mnt / "after").write_bytes(b"alive")
