@@ -27,7 +27,6 @@ import errno
 import json
 import os
 import stat
-import threading
 import time
 from dataclasses import dataclass
 
@@ -315,12 +314,19 @@ class FsCore:
             return self._attr_locked(inode, may_stat=False)
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
-        # Pinned: a truncate by path (no handle) uses the open file's fd while its last
-        # handle may be released in another worker thread.
-        with self._files.pinned(ino) as of:
-            return self._setattr(ino, req, of)
+        while True:
+            prefix_fetched = req.size is not None and self._keep_remote_prefix(ino, req.size)
+            # Another worker thread may release the last handle (a truncate by path uses the
+            # open file's fd), or open the file first (reading the old size, writing between
+            # the change and its cache file's): the open file is pinned, or the inode claimed.
+            with self._files.pinned_or_claimed(ino) as of:
+                try:
+                    return self._setattr(ino, req, of, prefix_fetched)
+                except EvictedMeanwhile:
+                    continue
 
-    def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None) -> Attr:
+    def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None, prefix_fetched: bool) -> Attr:
+        """``of``: the inode's open file, pinned, or None with the inode claimed."""
         now = self.clock()
         with self._state.lock:
             times_only = (of is not None and of.attrs_dirty and self._state.backing is None and req.mtime_ns is not None
@@ -337,7 +343,6 @@ class FsCore:
         if req.size is not None and of is not None:
             # Persist in-memory attributes first so the truncate below is the latest state.
             self._files.persist(of)
-        prefix_fetched = False
 
         def apply(txn: Txn) -> Inode:
             inode = need_inode(txn, ino)
@@ -370,34 +375,19 @@ class FsCore:
             txn.put_inode(inode)
             return inode
 
-        if req.size is not None:
-            # Truncate under the inode's I/O lock so a concurrent write cannot land between.
-            lock = of.io_lock if of is not None else threading.Lock()
-            while True:
-                prefix_fetched = self._keep_remote_prefix(ino, req.size)
-                with lock:
-                    try:
-                        inode = self.meta.write(apply)
-                    except EvictedMeanwhile:
-                        continue
-                    self._state.publish_before_bytes_change(ino)
-                    self._files.truncate_data(ino, req.size)
-                    with self._state.lock:
-                        of = self._open.get(ino)
-                        if of is not None:
-                            of.size = req.size
-                            of.mtime_ns = inode.mtime_ns
-                            of.ctime_ns = inode.ctime_ns
-                            of.needs_bump = True
-                            if self._state.backing is not None:
-                                datapath.align(of, inode.atime_ns, inode.mtime_ns)
-                break
-        else:
+        # Under the open file's I/O lock: no write lands between the truncate and the new size,
+        # and a flush's persist (which stores the times it took before) is not in between.
+        with of.io_lock if of is not None else contextlib.nullcontext():
             inode = self.meta.write(apply)
-            with self._state.lock:
-                of = self._open.get(ino)
-                if of is not None:
-                    if req.mtime_ns is not None:
+            if req.size is not None:
+                self._state.publish_before_bytes_change(ino)
+                self._files.truncate_data(ino, req.size, of)
+            if of is not None:
+                with self._state.lock:
+                    if req.size is not None:
+                        of.size = req.size
+                        of.needs_bump = True
+                    if req.size is not None or req.mtime_ns is not None:
                         of.mtime_ns = inode.mtime_ns
                         if self._state.backing is not None:
                             datapath.align(of, inode.atime_ns, inode.mtime_ns)
@@ -493,7 +483,7 @@ class FsCore:
 
     def open(self, ino: int, flags: int) -> int:
         while True:
-            seen_eviction = self._state.eviction_seq
+            seen_claims = self._state.claim_seq
             with self.meta.read() as txn:
                 inode = need_inode(txn, ino)
             if inode.is_dir:
@@ -510,7 +500,7 @@ class FsCore:
                     self.fetch(ino)
                 continue
             try:
-                fh = self._files.open_handle(inode, flags, seen_eviction=seen_eviction)
+                fh = self._files.open_handle(inode, flags, seen_claims=seen_claims)
             except EvictedMeanwhile:
                 continue
             break

@@ -188,11 +188,11 @@ class Fetcher:
             # (``holds``): one it unlinked under our descriptor would be marked cached-clean
             # with no cache file. Register only with no eviction since the cache file was opened.
             with s.lock:
-                s.wait_not_evicting(inode.ino)
-                seen_eviction = s.eviction_seq
+                s.wait_unclaimed(inode.ino)
+                seen_claims = s.claim_seq
             fresh.fd = s.open_cache_file(inode.ino)
             with s.lock, self._lock:
-                if inode.ino in s.evicting or s.eviction_seq != seen_eviction:
+                if inode.ino in s.claimed or s.claim_seq != seen_claims:
                     os.close(fresh.fd)
                     continue
                 rf = self._files.get(inode.ino)

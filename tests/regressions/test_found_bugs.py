@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from conftest import ROOT, ROOT_CALLER, CoreEnv, in_mount_table, needs_fuse
+from ckptfs.fsmeta import FileState
 from ckptfs.gateway.core import SetattrRequest
 from ckptfs.gateway.errors import FsError
 from ckptfs.gateway.fuse_ops import CkptOperations
@@ -186,3 +187,157 @@ def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
     assert not core._state.open_files and not backing_ids  # the pin closed both at its end
     assert os.stat(core._data_path(attr.ino)).st_size == 10
     assert core.getattr(attr.ino).size == 10
+
+
+# -- races between the FUSE worker threads (gateway/workers.py), forced deterministically --------
+
+
+def _in_main_thread_after_first_read(core, monkeypatch, action):
+    """Run ``action()`` right after the calling (main) thread's next fsmeta read ends."""
+    real_read, main, done = core.meta.read, threading.current_thread(), []
+
+    @contextlib.contextmanager
+    def read_then_act():
+        with real_read() as txn:
+            yield txn
+        if not done and threading.current_thread() is main:
+            done.append(True)
+            action()
+
+    monkeypatch.setattr(core.meta, "read", read_then_act)
+    return done
+
+
+def _run_elsewhere(fn, *args, wait: float | None = None) -> threading.Thread:
+    """``fn(*args)`` in another thread (a second FUSE worker), joined up to ``wait`` seconds
+    (None: to its end). A fixed build blocks it on a lock; the test goes on and joins later."""
+    errors = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test after join
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.errors = errors
+    worker.start()
+    worker.join(wait)
+    return worker
+
+
+def test_open_of_a_clean_file_while_the_evictor_removes_it_never_reads_zeros(core, monkeypatch):
+    """Audit of the worker-thread races. FsCore.open read the inode (clean, cached) after the
+    evictor had claimed it, and reached OpenFiles.open_handle after the eviction ended: the
+    inode was no longer in ``evicting`` and ``eviction_seq`` had moved only at the claim,
+    before the open looked at it. So the open created an empty cache file for an evicted
+    (REMOTE) file and read zeros for its bytes. The claim count moves when a claim ends too
+    (CoreState.end_claims), so the open reads the inode again."""
+    from test_cache_space import cached, cap, make_durable, state, write_file
+
+    ino = write_file(core, b"f", 4096)
+    make_durable(core, ino)
+    space = cap(core, 1)
+    claimed, opener_read = threading.Event(), threading.Event()
+    real_write = core.meta.write
+
+    def mark_evicted_after_the_opener_read(fn):
+        if threading.current_thread() is evictor and not claimed.is_set():
+            claimed.set()  # the evictor has claimed the inode, and not marked it yet
+            assert opener_read.wait(10)
+        return real_write(fn)
+
+    monkeypatch.setattr(core.meta, "write", mark_evicted_after_the_opener_read)
+    evictor = threading.Thread(target=space.evict_now, args=([ino],))
+    evictor.start()
+    assert claimed.wait(10)
+    _in_main_thread_after_first_read(core, monkeypatch, lambda: (opener_read.set(), evictor.join()))
+    try:
+        fh = core.open(ino, os.O_RDONLY)
+    except FsError as exc:
+        assert exc.errno == errno.EIO  # in the bucket only, and this core has no bucket
+    else:
+        data = core.read(fh, 0, 4096)
+        core.release(fh)
+        assert data == b"x" * 4096  # was 4096 zero bytes
+    assert not evictor.is_alive()
+    assert state(core, ino) == FileState.REMOTE and not cached(core, ino)
+
+
+def test_first_open_while_a_truncate_by_path_runs_sees_the_new_size(core, monkeypatch):
+    """Audit of the worker-thread races. The first open of a file read its inode (1000 bytes),
+    then a truncate by path (no handle open: nothing pinned, nothing locked) cut it to 10
+    bytes and returned, and only then did the open register its OpenFile with the old size:
+    stat showed 1000 and reads gave 990 zeros after the truncate had returned (passthrough:
+    the open even cut the cache file back to 1000). A truncate with no open file now claims
+    the inode (OpenFiles.pinned_or_claimed) like the evictor does, so the open reads it again."""
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    core.write(fh, 0, b"x" * 1000)
+    core.release(fh)
+    ino = attr.ino
+    truncated = _in_main_thread_after_first_read(
+        core, monkeypatch, lambda: _run_elsewhere(core.setattr, ino, SetattrRequest(size=10)))
+    fh = core.open(ino, os.O_RDONLY)
+    assert truncated
+    assert core.getattr(ino).size == 10  # was 1000
+    assert core.read(fh, 0, 4096) == b"x" * 10
+    core.release(fh)
+
+
+def test_write_through_a_first_open_during_a_truncate_by_path_is_kept(core, monkeypatch):
+    """Audit of the worker-thread races. A truncate by path found no open file, so it held no
+    I/O lock; another thread opened the file and wrote b"hello" after the truncate had cut
+    the cache file, and the truncate then set that new open file's size to 0: the write,
+    acknowledged, was gone (reads empty, size 0 stored at close). The truncate now holds the
+    inode claimed until it is done, so the first open (and its write) waits for it."""
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    core.write(fh, 0, b"x" * 1000)
+    core.release(fh)
+    ino = attr.ino
+    files = core._files
+    truncate_data = files.truncate_data
+    handles = []
+
+    def open_and_write():
+        handles.append(core.open(ino, os.O_RDWR))
+        assert core.write(handles[0], 0, b"hello") == 5
+
+    writers = []
+
+    def cut_then_let_another_thread_write(*args):
+        truncate_data(*args)
+        if not writers:  # the fixed build blocks the open here: go on after a while
+            writers.append(_run_elsewhere(open_and_write, wait=1.0))
+
+    monkeypatch.setattr(files, "truncate_data", cut_then_let_another_thread_write)
+    core.setattr(ino, SetattrRequest(size=0))
+    writers[0].join()
+    assert not writers[0].errors
+    assert core.read(handles[0], 0, 100) == b"hello"  # was b""
+    core.release(handles[0])
+    assert core.getattr(ino).size == 5
+
+
+def test_utimes_while_another_handle_flushes_keeps_the_new_mtime(core, monkeypatch):
+    """Audit of the worker-thread races. A flush took the open file's size and times (and
+    cleared ``attrs_dirty``), then a setattr of the mtime (utimes, touch -d, tar) stored its
+    time and returned, and then the flush's transaction stored the old time over it; nothing
+    was dirty any more, so the new mtime was lost at close. A setattr of an open file now
+    holds its I/O lock, as persist does, so the two are one after the other."""
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    core.write(fh, 0, b"x" * 10)
+    new_mtime = 1_600_000_000 * 10**9
+    real_write = core.meta.write
+    setters = []
+
+    def persist_after_a_setattr_elsewhere(fn):
+        if fn.__name__ == "persist" and not setters:  # the flush's snapshot is taken
+            setters.append(_run_elsewhere(core.setattr, attr.ino, SetattrRequest(mtime_ns=new_mtime), wait=1.0))
+        return real_write(fn)
+
+    monkeypatch.setattr(core.meta, "write", persist_after_a_setattr_elsewhere)
+    core.flush(fh)
+    setters[0].join()
+    assert not setters[0].errors
+    core.release(fh)
+    assert core.getattr(attr.ino).mtime_ns == new_mtime
