@@ -178,12 +178,19 @@ class FsCore:
         if backing is None:
             return 0
         n = 0
-        for ino, st in backing.changed():
-            with self._state.lock:
-                if ino in self._open:
+        for ino, _ in backing.changed():
+            # Claimed, and stat'ed again: a writer may have opened, written and closed the file
+            # (storing its size) since that stat, or would do so before ours is stored.
+            with self._files.pinned_or_claimed(ino) as of:
+                if of is not None:
                     continue  # the open file takes it at its next flush/release
-            self._files.cache_changed(ino, st)
-            n += 1
+                try:
+                    st = os.stat(self._data_path(ino))
+                except FileNotFoundError:
+                    continue
+                if backing.rebase(ino, st):
+                    self._files.cache_changed(ino, st)
+                    n += 1
         return n
 
     # -- helpers ---------------------------------------------------------------------

@@ -341,3 +341,44 @@ def test_utimes_while_another_handle_flushes_keeps_the_new_mtime(core, monkeypat
     assert not setters[0].errors
     core.release(fh)
     assert core.getattr(attr.ino).mtime_ns == new_mtime
+
+
+def test_sweep_of_mapped_files_never_stores_a_size_older_than_a_later_writers(core, monkeypatch):
+    """Audit of the worker-thread races (passthrough). The sweep (every second, in a thread)
+    stats the watched cache files; one had grown to 150 bytes through a shared mapping. Before
+    the sweep stored that, another writer opened the file, wrote up to 300 bytes and closed
+    it (storing 300); the sweep then stored its 150: the file shrank to 150 bytes in fsmeta
+    (stat, reads, the upload). The sweep now claims each inode, stats it again and stores it
+    only if it moved since the last persist (datapath.Backing.rebase)."""
+    backing_ids = {}
+    new_ids = itertools.count(1)
+
+    def open_id(fd):
+        backing_ids[bid := next(new_ids)] = fd
+        return bid
+
+    core.enable_passthrough(open_id, backing_ids.pop)
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    path = core._data_path(attr.ino)
+    with open(path, "r+b") as kernel:  # passthrough WRITEs
+        kernel.write(b"x" * 100)
+    core.release(fh)
+    with open(path, "r+b") as mapping:  # a shared mapping that outlived close()
+        mapping.seek(100)
+        mapping.write(b"m" * 50)
+    backing = core._state.backing
+    changed = backing.changed
+
+    def changed_then_another_writer():
+        found = changed()  # the sweep's stat: 150 bytes
+        fh = core.open(attr.ino, os.O_RDWR)
+        with open(path, "r+b") as kernel:
+            kernel.seek(150)
+            kernel.write(b"y" * 150)
+        core.release(fh)  # stores 300
+        return found
+
+    monkeypatch.setattr(backing, "changed", changed_then_another_writer)
+    core.sweep_mapped()
+    assert core.getattr(attr.ino).size == 300  # was 150
+    assert os.stat(path).st_size == 300
