@@ -153,11 +153,8 @@ def test_read_only_o_trunc_survives_a_remount(gateway):
     assert os.stat(p).st_size == 0 and p.read_bytes() == b""
 
 
-def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
-    """CI, test_mount_stress (passthrough): one EBADF among 17,000 operations. FsCore.setattr
-    took the open file from ``open_files`` and used its fd after dropping the state lock; the
-    last handle's release, in another worker thread, closed that fd in between (and a reused
-    number could have named another file). The open file is pinned now (OpenFiles.pinned)."""
+def _passthrough(core) -> dict[int, int]:
+    """Passthrough mode with backing ids handed out in memory; returns the live ids' fds."""
     backing_ids = {}
     new_ids = itertools.count(1)
 
@@ -166,6 +163,15 @@ def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
         return bid
 
     core.enable_passthrough(open_id, backing_ids.pop)
+    return backing_ids
+
+
+def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
+    """CI, test_mount_stress (passthrough): one EBADF among 17,000 operations. FsCore.setattr
+    took the open file from ``open_files`` and used its fd after dropping the state lock; the
+    last handle's release, in another worker thread, closed that fd in between (and a reused
+    number could have named another file). The open file is pinned now (OpenFiles.pinned)."""
+    backing_ids = _passthrough(core)
     fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
     with open(core._data_path(attr.ino), "r+b") as kernel_write:  # a passthrough WRITE
         kernel_write.write(b"x" * 1000)
@@ -350,14 +356,7 @@ def test_sweep_of_mapped_files_never_stores_a_size_older_than_a_later_writers(co
     it (storing 300); the sweep then stored its 150: the file shrank to 150 bytes in fsmeta
     (stat, reads, the upload). The sweep now claims each inode, stats it again and stores it
     only if it moved since the last persist (datapath.Backing.rebase)."""
-    backing_ids = {}
-    new_ids = itertools.count(1)
-
-    def open_id(fd):
-        backing_ids[bid := next(new_ids)] = fd
-        return bid
-
-    core.enable_passthrough(open_id, backing_ids.pop)
+    _passthrough(core)
     fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
     path = core._data_path(attr.ino)
     with open(path, "r+b") as kernel:  # passthrough WRITEs
