@@ -322,15 +322,19 @@ class FsCore:
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
         while True:
-            prefix_fetched = req.size is not None and self._keep_remote_prefix(ino, req.size)
             # Another worker thread may release the last handle (a truncate by path uses the
             # open file's fd), or open the file first (reading the old size, writing between
             # the change and its cache file's): the open file is pinned, or the inode claimed.
-            with self._files.pinned_or_claimed(ino) as of:
-                try:
+            try:
+                with (self._remote_prefix_kept(ino, req.size) as prefix_fetched,
+                      self._files.pinned_or_claimed(ino) as of):
+                    if prefix_fetched and self._state.fetcher is not None:
+                        # Its cache file is the file's own from here on (no reader may register
+                        # fetch state, which cuts it, until the truncate is stored).
+                        self._state.fetcher.detach(ino)
                     return self._setattr(ino, req, of, prefix_fetched)
-                except EvictedMeanwhile:
-                    continue
+            except EvictedMeanwhile:
+                continue
 
     def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None, prefix_fetched: bool) -> Attr:
         """``of``: the inode's open file, pinned, or None with the inode claimed."""
@@ -402,42 +406,53 @@ class FsCore:
         with self._state.lock:
             return self._attr(inode)
 
-    def _keep_remote_prefix(self, ino: int, size: int) -> bool:
-        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, then
-        hand its cache file to the ordinary write path. False: the file was not REMOTE."""
+    @contextlib.contextmanager
+    def _remote_prefix_kept(self, ino: int, size: int | None):
+        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, and hold
+        its fetch state (nobody drops it, which would cut the cache file) until the block
+        ends. Yields False if there is no truncate or the file was not REMOTE."""
+        if size is None:
+            yield False
+            return
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
         if inode.state != FileState.REMOTE:
-            return False
+            yield False
+            return
         fetcher = self._state.fetcher
         if fetcher is None:
             if size:
                 raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
-            return True
-        if size:
-            rf = fetcher.acquire(inode)
-            try:
+            yield True
+            return
+        rf = fetcher.acquire(inode) if size else None
+        try:
+            if rf is not None:
                 fetcher.fetch_range(rf, size)
-            finally:
+            yield True
+        finally:
+            if rf is not None:
                 fetcher.release(rf)
-        fetcher.detach(ino)
-        return True
 
     def fetch(self, ino: int) -> int:
         """Have the whole content of a REMOTE file in the cache, checked and cached-clean
         (``ckptfs prefetch``, open for writing). Returns the bytes fetched from the bucket."""
-        with self.meta.read() as txn:
-            inode = need_inode(txn, ino)
-        if not inode.is_reg or inode.state != FileState.REMOTE:
-            return 0
-        fetcher = self._state.fetcher
-        if fetcher is None:
-            raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
-        rf = fetcher.acquire(inode)
-        try:
-            return fetcher.fetch_all(rf)
-        finally:
-            fetcher.release(rf)
+        while True:
+            with self.meta.read() as txn:
+                inode = need_inode(txn, ino)
+            if not inode.is_reg or inode.state != FileState.REMOTE:
+                return 0
+            fetcher = self._state.fetcher
+            if fetcher is None:
+                raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+            try:
+                rf = fetcher.acquire(inode)
+            except EvictedMeanwhile:
+                continue  # truncated or rewritten meanwhile: look again
+            try:
+                return fetcher.fetch_all(rf)
+            finally:
+                fetcher.release(rf)
 
     def readlink(self, ino: int) -> bytes:
         with self.meta.read() as txn:

@@ -381,3 +381,46 @@ def test_sweep_of_mapped_files_never_stores_a_size_older_than_a_later_writers(co
     core.sweep_mapped()
     assert core.getattr(attr.ino).size == 300  # was 150
     assert os.stat(path).st_size == 300
+
+
+def test_an_evicted_file_truncated_while_a_reader_opens_it_keeps_its_prefix(tmp_path, monkeypatch):
+    """Audit of the worker-thread races. A truncate of an evicted (REMOTE) file fetched the
+    bytes it keeps, dropped the fetch state (Fetcher.detach), then recorded the truncate. A
+    reader that opened the file in between registered new fetch state, which cuts the cache
+    file to nothing first ("what a dropped fetch left is not known to be anything"): the kept
+    prefix was zeros from then on. The truncate now holds its fetch state until the truncate is
+    recorded and detaches it under the claim; Fetcher.acquire reads the inode again after
+    opening the cache file, and leaves a file that stopped being REMOTE alone."""
+    from test_core_readpath import ReadEnv
+
+    from ckptfs.gateway.fetch import ReadSettings
+
+    env = ReadEnv(tmp_path, ReadSettings(part_size=256 << 10, max_readahead=1 << 20, concurrency=4))
+    try:
+        core = env.core
+        data = os.urandom(300_000)
+        ino = env.remote(b"f", data)  # as an eviction leaves it
+        fetcher = core._state.fetcher
+        detach = fetcher.detach
+        readers = []
+
+        def open_and_close():
+            core.release(core.open(ino, os.O_RDONLY))
+
+        def detach_then_a_reader_opens(i):
+            detach(i)
+            if not readers:
+                readers.append(_run_elsewhere(open_and_close, wait=1.0))
+
+        monkeypatch.setattr(fetcher, "detach", detach_then_a_reader_opens)
+        assert core.setattr(ino, SetattrRequest(size=100_000)).size == 100_000
+        if not readers:  # the fixed build detaches where no reader can come in; open one after
+            readers.append(_run_elsewhere(open_and_close))
+        readers[0].join()
+        assert not readers[0].errors
+        fh = core.open(ino, os.O_RDONLY)
+        assert core.read(fh, 0, 300_000) == data[:100_000]  # was 100,000 zero bytes
+        core.release(fh)
+    finally:
+        env.close()
+        env.client.close()
