@@ -432,6 +432,10 @@ class OpenFiles:
                 of.writers -= 1
             last = of.refs == 0
             if last:
+                if s.space is not None:
+                    # Before it leaves the table: once out, the evictor may remove it (and its
+                    # allocation), which this must not put back.
+                    s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
                 del s.open_files[of.ino]
         if last:
             if s.backing is not None:
@@ -442,8 +446,6 @@ class OpenFiles:
                 with contextlib.suppress(FsError):  # reported to the reader already
                     s.fetcher.wait_checked(of.remote, commit=True)
                 s.fetcher.release(of.remote)
-            if s.space is not None:
-                s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
             os.close(of.fd)
             self._lookups.maybe_purge(of.ino)
             s.bound_unsynced_names()

@@ -424,3 +424,32 @@ def test_an_evicted_file_truncated_while_a_reader_opens_it_keeps_its_prefix(tmp_
     finally:
         env.close()
         env.client.close()
+
+
+def test_an_eviction_during_the_last_release_leaves_no_phantom_allocation(core, monkeypatch):
+    """Audit of the worker-thread races. The last release took the file out of the open-file
+    table, then recorded its allocation in the cache accounting (CacheSpace.note_closed); an
+    eviction in between removed the file and its allocation first, and the release then put
+    the allocation back: the cache counted 1 MiB that was gone (writers waited, or got
+    ENOSPC, for it until the next full scan). The release records it before the file leaves
+    the table, so the evictor cannot take it before."""
+    from test_cache_space import MIB, cached, cap, make_durable, write_file
+
+    ino = write_file(core, b"f", MIB)
+    make_durable(core, ino)
+    space = cap(core, 64)
+    fh = core.open(ino, os.O_RDONLY)
+    note_closed = space.note_closed
+    evictors = []
+
+    def evict_then_note(*args):
+        if not evictors:  # the fixed build holds the state lock here: the evictor waits
+            evictors.append(_run_elsewhere(space.evict_now, [ino], wait=1.0))
+        note_closed(*args)
+
+    monkeypatch.setattr(space, "note_closed", evict_then_note)
+    core.release(fh)
+    evictors[0].join()
+    assert not evictors[0].errors
+    assert not cached(core, ino)
+    assert space.used_bytes() == 0  # was 1 MiB
