@@ -352,14 +352,9 @@ class OpenFiles:
         writes, until the block ends, and an evictor leaves it alone."""
         s = self._state
         with s.lock:
-            while True:
-                of = s.open_files.get(ino)
-                if of is not None:
-                    of.refs += 1
-                    break
-                if not s.wait_unclaimed(ino):  # (an open may have come meanwhile: look again)
-                    s.claim(ino)
-                    break
+            of = s.claim_if_closed(ino)
+            if of is not None:
+                of.refs += 1
         try:
             yield of
         finally:

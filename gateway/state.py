@@ -67,6 +67,17 @@ class CoreState:
             self.claims_done.wait()
         return waited
 
+    def claim_if_closed(self, ino: int) -> OpenFile | None:
+        """Claim ``ino`` (after any other claim of it ends) if it has no open file; else its
+        open file, unclaimed. Call with ``lock`` held; end a claim with :meth:`end_claims`."""
+        while True:
+            of = self.open_files.get(ino)
+            if of is not None:
+                return of
+            if not self.wait_unclaimed(ino):  # (an open may have come meanwhile: look again)
+                self.claim(ino)
+                return None
+
     def claim(self, ino: int) -> None:
         """Claim an inode that has no open file and no claim. Call with ``lock`` held; end it
         with :meth:`end_claims`."""

@@ -453,3 +453,42 @@ def test_an_eviction_during_the_last_release_leaves_no_phantom_allocation(core, 
     assert not evictors[0].errors
     assert not cached(core, ino)
     assert space.used_bytes() == 0  # was 1 MiB
+
+
+def test_an_open_while_the_listing_drops_a_replaced_objects_cache_never_reads_zeros(tmp_path, monkeypatch):
+    """Audit of the worker-thread races. A bucket listing found a cached file's object
+    replaced (another node wrote it), made the file REMOTE and removed its cache file, having
+    checked only that the file was not open. An open that had read the inode before the
+    listing's transaction (cached-clean, 4 bytes) registered after the removal: it created an
+    empty cache file and read 4 zero bytes. The listing now claims the inode to remove the
+    cache file (CoreState.claim_if_closed), so the open reads the inode again."""
+    from test_core_remote_names import Node
+
+    from ckptfs.drain.worker import object_metadata
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    node = Node(tmp_path / "cache", bucket)
+    try:
+        core = node.core
+        meta = object_metadata(0o100644, 0, 0, 1_700_000_000 * 10**9)
+        node.put("ckpt/a", b"1111", meta)
+        ino = node.walk("ckpt/a").ino
+        fh = core.open(ino, os.O_RDONLY)
+        assert core.read(fh, 0, 100) == b"1111"
+        core.release(fh)  # now cached-clean
+        assert node.inode("ckpt/a").state == FileState.CACHED_CLEAN
+        node.put("ckpt/a", b"22", meta)  # replaced in the bucket by another node
+        node.advance()
+        ckpt = node.walk("ckpt").ino
+        listings = []
+        _in_main_thread_after_first_read(
+            core, monkeypatch, lambda: listings.append(_run_elsewhere(core.remote.refresh, ckpt)))
+        fh = core.open(ino, os.O_RDONLY)
+        listings[0].join()
+        assert not listings[0].errors
+        data = core.read(fh, 0, 100)
+        core.release(fh)
+        assert data in (b"1111", b"22")  # was b"\0\0\0\0"
+    finally:
+        node.close()
