@@ -475,10 +475,20 @@ class FsCore:
     def create(self, parent: int, name: bytes, mode: int, flags: int, caller: Caller) -> tuple[int, Attr]:
         """O_CREAT open of a name that the kernel found missing (O_EXCL is implied)."""
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        seen_claims = self._state.claim_seq
         inode = self._namespace.create_file(parent, name, mode, caller,
                                             then=OpenFiles.register_created_writer if writable else None)
         try:
-            fh = self._files.open_handle(inode, flags, created=True)
+            while True:
+                try:
+                    fh = self._files.open_handle(inode, flags, created=True, seen_claims=seen_claims)
+                    break
+                except EvictedMeanwhile:
+                    # A setattr of the new name came first (a core caller: FUSE holds the
+                    # directory until CREATE answers): open the inode as it made it.
+                    seen_claims = self._state.claim_seq
+                    with self.meta.read() as txn:
+                        inode = need_inode(txn, inode.ino)
         except BaseException:
             # No name, reference or writer (the drain would wait for it forever) is left
             self._namespace.abandon_create(parent, name, inode.ino, writer=writable)
