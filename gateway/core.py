@@ -27,7 +27,6 @@ import errno
 import json
 import os
 import stat
-import threading
 import time
 from dataclasses import dataclass
 
@@ -179,12 +178,19 @@ class FsCore:
         if backing is None:
             return 0
         n = 0
-        for ino, st in backing.changed():
-            with self._state.lock:
-                if ino in self._open:
+        for ino, _ in backing.changed():
+            # Claimed, and stat'ed again: a writer may have opened, written and closed the file
+            # (storing its size) since that stat, or would do so before ours is stored.
+            with self._files.pinned_or_claimed(ino) as of:
+                if of is not None:
                     continue  # the open file takes it at its next flush/release
-            self._files.cache_changed(ino, st)
-            n += 1
+                try:
+                    st = os.stat(self._data_path(ino))
+                except FileNotFoundError:
+                    continue
+                if backing.rebase(ino, st):
+                    self._files.cache_changed(ino, st)
+                    n += 1
         return n
 
     # -- helpers ---------------------------------------------------------------------
@@ -315,12 +321,23 @@ class FsCore:
             return self._attr_locked(inode, may_stat=False)
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
-        # Pinned: a truncate by path (no handle) uses the open file's fd while its last
-        # handle may be released in another worker thread.
-        with self._files.pinned(ino) as of:
-            return self._setattr(ino, req, of)
+        while True:
+            # Another worker thread may release the last handle (a truncate by path uses the
+            # open file's fd), or open the file first (reading the old size, writing between
+            # the change and its cache file's): the open file is pinned, or the inode claimed.
+            try:
+                with (self._remote_prefix_kept(ino, req.size) as prefix_fetched,
+                      self._files.pinned_or_claimed(ino) as of):
+                    if prefix_fetched and self._state.fetcher is not None:
+                        # Its cache file is the file's own from here on (no reader may register
+                        # fetch state, which cuts it, until the truncate is stored).
+                        self._state.fetcher.detach(ino)
+                    return self._setattr(ino, req, of, prefix_fetched)
+            except EvictedMeanwhile:
+                continue
 
-    def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None) -> Attr:
+    def _setattr(self, ino: int, req: SetattrRequest, of: OpenFile | None, prefix_fetched: bool) -> Attr:
+        """``of``: the inode's open file, pinned, or None with the inode claimed."""
         now = self.clock()
         with self._state.lock:
             times_only = (of is not None and of.attrs_dirty and self._state.backing is None and req.mtime_ns is not None
@@ -337,7 +354,6 @@ class FsCore:
         if req.size is not None and of is not None:
             # Persist in-memory attributes first so the truncate below is the latest state.
             self._files.persist(of)
-        prefix_fetched = False
 
         def apply(txn: Txn) -> Inode:
             inode = need_inode(txn, ino)
@@ -370,34 +386,19 @@ class FsCore:
             txn.put_inode(inode)
             return inode
 
-        if req.size is not None:
-            # Truncate under the inode's I/O lock so a concurrent write cannot land between.
-            lock = of.io_lock if of is not None else threading.Lock()
-            while True:
-                prefix_fetched = self._keep_remote_prefix(ino, req.size)
-                with lock:
-                    try:
-                        inode = self.meta.write(apply)
-                    except EvictedMeanwhile:
-                        continue
-                    self._state.publish_before_bytes_change(ino)
-                    self._files.truncate_data(ino, req.size)
-                    with self._state.lock:
-                        of = self._open.get(ino)
-                        if of is not None:
-                            of.size = req.size
-                            of.mtime_ns = inode.mtime_ns
-                            of.ctime_ns = inode.ctime_ns
-                            of.needs_bump = True
-                            if self._state.backing is not None:
-                                datapath.align(of, inode.atime_ns, inode.mtime_ns)
-                break
-        else:
+        # Under the open file's I/O lock: no write lands between the truncate and the new size,
+        # and a flush's persist (which stores the times it took before) is not in between.
+        with of.io_lock if of is not None else contextlib.nullcontext():
             inode = self.meta.write(apply)
-            with self._state.lock:
-                of = self._open.get(ino)
-                if of is not None:
-                    if req.mtime_ns is not None:
+            if req.size is not None:
+                self._state.publish_before_bytes_change(ino)
+                self._files.truncate_data(ino, req.size, of)
+            if of is not None:
+                with self._state.lock:
+                    if req.size is not None:
+                        of.size = req.size
+                        of.needs_bump = True
+                    if req.size is not None or req.mtime_ns is not None:
                         of.mtime_ns = inode.mtime_ns
                         if self._state.backing is not None:
                             datapath.align(of, inode.atime_ns, inode.mtime_ns)
@@ -405,42 +406,53 @@ class FsCore:
         with self._state.lock:
             return self._attr(inode)
 
-    def _keep_remote_prefix(self, ino: int, size: int) -> bool:
-        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, then
-        hand its cache file to the ordinary write path. False: the file was not REMOTE."""
+    @contextlib.contextmanager
+    def _remote_prefix_kept(self, ino: int, size: int | None):
+        """Before a REMOTE file is truncated (or opened with O_TRUNC): fetch what stays, and hold
+        its fetch state (nobody drops it, which would cut the cache file) until the block
+        ends. Yields False if there is no truncate or the file was not REMOTE."""
+        if size is None:
+            yield False
+            return
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
         if inode.state != FileState.REMOTE:
-            return False
+            yield False
+            return
         fetcher = self._state.fetcher
         if fetcher is None:
             if size:
                 raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
-            return True
-        if size:
-            rf = fetcher.acquire(inode)
-            try:
+            yield True
+            return
+        rf = fetcher.acquire(inode) if size else None
+        try:
+            if rf is not None:
                 fetcher.fetch_range(rf, size)
-            finally:
+            yield True
+        finally:
+            if rf is not None:
                 fetcher.release(rf)
-        fetcher.detach(ino)
-        return True
 
     def fetch(self, ino: int) -> int:
         """Have the whole content of a REMOTE file in the cache, checked and cached-clean
         (``ckptfs prefetch``, open for writing). Returns the bytes fetched from the bucket."""
-        with self.meta.read() as txn:
-            inode = need_inode(txn, ino)
-        if not inode.is_reg or inode.state != FileState.REMOTE:
-            return 0
-        fetcher = self._state.fetcher
-        if fetcher is None:
-            raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
-        rf = fetcher.acquire(inode)
-        try:
-            return fetcher.fetch_all(rf)
-        finally:
-            fetcher.release(rf)
+        while True:
+            with self.meta.read() as txn:
+                inode = need_inode(txn, ino)
+            if not inode.is_reg or inode.state != FileState.REMOTE:
+                return 0
+            fetcher = self._state.fetcher
+            if fetcher is None:
+                raise FsError(errno.EIO, f"inode {ino} is in the bucket only, and no bucket is open")
+            try:
+                rf = fetcher.acquire(inode)
+            except EvictedMeanwhile:
+                continue  # truncated or rewritten meanwhile: look again
+            try:
+                return fetcher.fetch_all(rf)
+            finally:
+                fetcher.release(rf)
 
     def readlink(self, ino: int) -> bytes:
         with self.meta.read() as txn:
@@ -463,10 +475,20 @@ class FsCore:
     def create(self, parent: int, name: bytes, mode: int, flags: int, caller: Caller) -> tuple[int, Attr]:
         """O_CREAT open of a name that the kernel found missing (O_EXCL is implied)."""
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        seen_claims = self._state.claim_seq
         inode = self._namespace.create_file(parent, name, mode, caller,
                                             then=OpenFiles.register_created_writer if writable else None)
         try:
-            fh = self._files.open_handle(inode, flags, created=True)
+            while True:
+                try:
+                    fh = self._files.open_handle(inode, flags, created=True, seen_claims=seen_claims)
+                    break
+                except EvictedMeanwhile:
+                    # A setattr of the new name came first (a core caller: FUSE holds the
+                    # directory until CREATE answers): open the inode as it made it.
+                    seen_claims = self._state.claim_seq
+                    with self.meta.read() as txn:
+                        inode = need_inode(txn, inode.ino)
         except BaseException:
             # No name, reference or writer (the drain would wait for it forever) is left
             self._namespace.abandon_create(parent, name, inode.ino, writer=writable)
@@ -493,7 +515,7 @@ class FsCore:
 
     def open(self, ino: int, flags: int) -> int:
         while True:
-            seen_eviction = self._state.eviction_seq
+            seen_claims = self._state.claim_seq
             with self.meta.read() as txn:
                 inode = need_inode(txn, ino)
             if inode.is_dir:
@@ -510,7 +532,7 @@ class FsCore:
                     self.fetch(ino)
                 continue
             try:
-                fh = self._files.open_handle(inode, flags, seen_eviction=seen_eviction)
+                fh = self._files.open_handle(inode, flags, seen_claims=seen_claims)
             except EvictedMeanwhile:
                 continue
             break

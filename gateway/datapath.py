@@ -109,9 +109,19 @@ class Backing:
             entry = self.watched.pop(ino, None)
         return entry[1] if entry else None
 
+    def rebase(self, ino: int, st: os.stat_result) -> bool:
+        """Take ``st`` as the persisted stat of a watched file if it moved from it; True if so
+        (the caller stores it). False: unwatched since (opened), or unchanged."""
+        with self.lock:
+            entry = self.watched.get(ino)
+            if entry is None or entry[1] == stat_id(st):
+                return False
+            self.watched[ino] = (entry[0], stat_id(st), entry[2])
+            return True
+
     def changed(self) -> list[tuple[int, os.stat_result]]:
         """Watched files whose cache file moved since persisted (they stay watched, with the
-        new stat as baseline); expired and removed ones are dropped."""
+        old baseline until :meth:`rebase`); expired and removed ones are dropped."""
         now = time.monotonic()
         with self.lock:
             items = list(self.watched.items())
@@ -124,9 +134,6 @@ class Backing:
                 continue
             if stat_id(st) != sid:
                 out.append((ino, st))
-                with self.lock:
-                    if ino in self.watched:
-                        self.watched[ino] = (path, stat_id(st), since)
             elif now - since > WATCH_SECONDS:
                 self.unwatch(ino)
         return out

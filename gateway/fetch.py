@@ -52,6 +52,7 @@ from ckptfs.fsmeta.settings import MIB, Settings
 
 from . import metrics, writeback
 from .errors import FsError
+from .state import EvictedMeanwhile
 
 if TYPE_CHECKING:
     from .bucket import BucketClient
@@ -168,7 +169,8 @@ class Fetcher:
     # -- the registry ------------------------------------------------------------------
 
     def acquire(self, inode: Inode) -> RemoteFile:
-        """The fetch state of a REMOTE inode (shared by every user until dropped)."""
+        """The fetch state of a REMOTE inode (shared by every user until dropped).
+        :class:`EvictedMeanwhile`: the inode is no longer what the caller read (read it again)."""
         with self._state.meta.read() as txn:
             record = txn.get_remote(inode.ino)
         with self._lock:
@@ -188,11 +190,18 @@ class Fetcher:
             # (``holds``): one it unlinked under our descriptor would be marked cached-clean
             # with no cache file. Register only with no eviction since the cache file was opened.
             with s.lock:
-                s.wait_not_evicting(inode.ino)
-                seen_eviction = s.eviction_seq
+                s.wait_unclaimed(inode.ino)
+                seen_claims = s.claim_seq
             fresh.fd = s.open_cache_file(inode.ino)
+            # A truncate (a claim) that ended since the caller read ``inode`` made the cache
+            # file the file's own: it must not be cut below. The caller reads it again.
+            with s.meta.read() as txn:
+                now = txn.get_inode(inode.ino)
+            if now is None or now.state != FileState.REMOTE or now.generation != inode.generation:
+                os.close(fresh.fd)
+                raise EvictedMeanwhile
             with s.lock, self._lock:
-                if inode.ino in s.evicting or s.eviction_seq != seen_eviction:
+                if inode.ino in s.claimed or s.claim_seq != seen_claims:
                     os.close(fresh.fd)
                     continue
                 rf = self._files.get(inode.ino)

@@ -71,11 +71,12 @@ class OpenFiles:
         self._state = state
         self._lookups = lookups
 
-    def open_handle(self, inode: Inode, flags: int, *, seen_eviction: int | None = None,
+    def open_handle(self, inode: Inode, flags: int, *, seen_claims: int | None = None,
                     created: bool = False) -> int:
-        """A handle on ``inode``. ``seen_eviction``: ``CoreState.eviction_seq`` before the
-        caller read ``inode``; if an eviction ran since, :class:`EvictedMeanwhile` asks the
-        caller to read it again (its cache file may be gone).
+        """A handle on ``inode``. ``seen_claims``: ``CoreState.claim_seq`` before the caller
+        read ``inode``; if a claim (an eviction, a truncate without a handle) was taken or
+        ended since, :class:`EvictedMeanwhile` asks the caller to read it again (its cache
+        file may be gone, its size changed).
 
         ``created``: ``inode`` was just made by this open (O_CREAT): its cache file is new,
         and, for an open for writing, the transaction that made it also counted the writer
@@ -97,8 +98,8 @@ class OpenFiles:
             remote = s.fetcher.acquire(inode)
         with s.lock:
             of = s.open_files.get(inode.ino)
-            if of is None and (s.wait_not_evicting(inode.ino) or (seen_eviction is not None
-                                                                  and seen_eviction != s.eviction_seq)):
+            if of is None and (s.wait_unclaimed(inode.ino) or (seen_claims is not None
+                                                               and seen_claims != s.claim_seq)):
                 if remote is not None:
                     s.fetcher.release(remote)
                 raise EvictedMeanwhile
@@ -343,14 +344,15 @@ class OpenFiles:
             s.backing.watch(of.ino, s.data_path(of.ino), of.cache_stat)
 
     @contextlib.contextmanager
-    def pinned(self, ino: int):
-        """The inode's open file, or None, kept open until the block ends. A thread that
-        found it in ``open_files`` and uses its fd after dropping the state lock needs this:
-        its last handle's release, in another thread, would close the fd (and the number
-        could name another cache file by then)."""
+    def pinned_or_claimed(self, ino: int):
+        """The inode's open file, or None, for a change made outside the state lock
+        (setattr). The open file is pinned: its last handle's release, in another thread,
+        would close its fd (and the number could name another cache file by then). With no
+        open file the inode is claimed (``CoreState.claim``): no first open reads it, or
+        writes, until the block ends, and an evictor leaves it alone."""
         s = self._state
         with s.lock:
-            of = s.open_files.get(ino)
+            of = s.claim_if_closed(ino)
             if of is not None:
                 of.refs += 1
         try:
@@ -358,16 +360,15 @@ class OpenFiles:
         finally:
             if of is not None:
                 self._unref(of, writable=False)
+            else:
+                s.end_claims([ino])
 
-    def truncate_data(self, ino: int, size: int) -> None:
-        s = self._state
-        with self.pinned(ino) as of:
-            if of is not None:
-                os.ftruncate(of.fd, size)
-                return
-        with s.lock:
-            s.wait_not_evicting(ino)  # its new content must not be unlinked under it
-        fd = s.open_cache_file(ino)
+    def truncate_data(self, ino: int, size: int, of: OpenFile | None) -> None:
+        """Cut the cache file; ``of`` as :meth:`pinned_or_claimed` gave it (held until done)."""
+        if of is not None:
+            os.ftruncate(of.fd, size)
+            return
+        fd = self._state.open_cache_file(ino)
         try:
             os.ftruncate(fd, size)
         finally:
@@ -426,6 +427,10 @@ class OpenFiles:
                 of.writers -= 1
             last = of.refs == 0
             if last:
+                if s.space is not None:
+                    # Before it leaves the table: once out, the evictor may remove it (and its
+                    # allocation), which this must not put back.
+                    s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
                 del s.open_files[of.ino]
         if last:
             if s.backing is not None:
@@ -436,8 +441,6 @@ class OpenFiles:
                 with contextlib.suppress(FsError):  # reported to the reader already
                     s.fetcher.wait_checked(of.remote, commit=True)
                 s.fetcher.release(of.remote)
-            if s.space is not None:
-                s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
             os.close(of.fd)
             self._lookups.maybe_purge(of.ino)
             s.bound_unsynced_names()

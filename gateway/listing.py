@@ -291,9 +291,15 @@ class RemoteNames:
         for ino in purge:
             self._lookups.maybe_purge(ino)
         for ino, _ in stale:
+            # A new or replaced object: no cached byte is current. Claimed, so that a first open
+            # that read the inode before this listing's transaction reads it again.
             with self._state.lock:
-                if ino not in self._state.open_files:
-                    self._state.remove_data(ino)  # a new or replaced object: no cached byte is current
+                if self._state.claim_if_closed(ino) is not None:
+                    continue  # open: read as it was opened (a REMOTE file's cache file is never trusted)
+            try:
+                self._state.remove_data(ino)
+            finally:
+                self._state.end_claims([ino])
         self.mark_listed(dir_ino, started)
 
     def _entries(self, prefix: str, listing: ListResult) -> dict[bytes, Listed]:

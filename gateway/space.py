@@ -19,7 +19,7 @@ past the cap (or the cache device past its reserve) wait for room, and after
   gateway has not touched since it started are seeded by the scan from the cache file's
   ``max(atime, mtime)``.
 - **Eviction** (:meth:`CacheSpace.evict`) of a file: under the state lock it must not be open
-  and is put in ``CoreState.evicting`` (opens and truncates of it wait); then one fsmeta write
+  and is claimed (``CoreState.claim``: opens and truncates of it wait); then one fsmeta write
   transaction calls ``durability.mark_evicted`` (state -> REMOTE, only if clean, not pending,
   no upload in flight); only if that succeeded is ``CACHE/data/<ino>`` removed, after the
   commit. A crash in between leaves a REMOTE file with its old cache file: a REMOTE file's
@@ -359,11 +359,10 @@ class CacheSpace:
         claimed = []
         with s.lock:
             for ino in inos:
-                if ino in s.open_files or ino in s.evicting or (s.fetcher is not None and s.fetcher.holds(ino)):
+                if ino in s.open_files or ino in s.claimed or (s.fetcher is not None and s.fetcher.holds(ino)):
                     continue  # open files (and files being fetched) are never evicted
-                s.evicting.add(ino)
+                s.claim(ino)
                 claimed.append(ino)
-            s.eviction_seq += 1
         done: set[int] = set()
         try:
             def mark(txn: Txn) -> list[int]:
@@ -388,9 +387,7 @@ class CacheSpace:
                 s.remove_data(ino)
                 done.add(ino)
         finally:
-            with s.lock:
-                s.evicting.difference_update(claimed)
-                s.evicting_done.notify_all()
+            s.end_claims(claimed)
         freed = 0
         with self._cond:
             for ino in done:

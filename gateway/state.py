@@ -47,22 +47,48 @@ class CoreState:
     bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
     fetcher: Fetcher | None = None  # fetches REMOTE files into the cache (gateway/fetch.py); needs bucket
     space: CacheSpace | None = None  # the cache cap, eviction, backpressure (gateway/space.py)
-    # Inodes whose cache file the evictor is removing: their first open (and a truncate
-    # without a handle) waits on ``evicting_done``, then reads the inode again.
-    evicting: set[int] = field(default_factory=set)
-    eviction_seq: int = 0  # moves at every eviction batch (under ``lock``)
+    # Inodes with no open file whose cache file and attributes a thread is changing: the
+    # evictor removing it, a setattr (truncate) without a handle. Their first open (and
+    # another claim) waits on ``claims_done``, then reads the inode again.
+    claimed: set[int] = field(default_factory=set)
+    # Moves when a claim is taken and when it ends (under ``lock``): an open that read the
+    # inode before either reads it again (``OpenFiles.open_handle``).
+    claim_seq: int = 0
 
     def __post_init__(self) -> None:
-        self.evicting_done = threading.Condition(self.lock)
+        self.claims_done = threading.Condition(self.lock)
 
-    def wait_not_evicting(self, ino: int) -> bool:
-        """Block while the evictor removes ``ino``'s cache file; True if it had to wait.
+    def wait_unclaimed(self, ino: int) -> bool:
+        """Block while another thread holds ``ino`` claimed; True if it had to wait.
         Call with ``lock`` held."""
         waited = False
-        while ino in self.evicting:
+        while ino in self.claimed:
             waited = True
-            self.evicting_done.wait()
+            self.claims_done.wait()
         return waited
+
+    def claim_if_closed(self, ino: int) -> OpenFile | None:
+        """Claim ``ino`` (after any other claim of it ends) if it has no open file; else its
+        open file, unclaimed. Call with ``lock`` held; end a claim with :meth:`end_claims`."""
+        while True:
+            of = self.open_files.get(ino)
+            if of is not None:
+                return of
+            if not self.wait_unclaimed(ino):  # (an open may have come meanwhile: look again)
+                self.claim(ino)
+                return None
+
+    def claim(self, ino: int) -> None:
+        """Claim an inode that has no open file and no claim. Call with ``lock`` held; end it
+        with :meth:`end_claims`."""
+        self.claimed.add(ino)
+        self.claim_seq += 1
+
+    def end_claims(self, inos) -> None:
+        with self.lock:
+            self.claimed.difference_update(inos)
+            self.claim_seq += 1  # an open that read the inode during the claim must read it again
+            self.claims_done.notify_all()
 
     def data_path(self, ino: int) -> str:
         return self.cache.data_path(ino)
