@@ -284,9 +284,17 @@ class FsCore:
             raise FsError(errno.ENOENT)
         return ino
 
-    def count_lookup(self, ino: int) -> None:
-        """The FUSE layer handed the kernel a new reference (readdirplus)."""
-        self._lookups.count(ino)
+    def count_lookups(self, inos: list[int]) -> None:
+        """The FUSE layer handed the kernel a new reference to each (readdirplus)."""
+        with self._state.lock:
+            for ino in inos:
+                self._lookups.count(ino)
+
+    def count_lookups_nowait(self, inos: list[int]) -> None:
+        """:meth:`count_lookups` for the trio loop, or WouldBlock (nothing counted)."""
+        with self._state_lock_nowait():
+            for ino in inos:
+                self._lookups.count(ino)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         self._lookups.forget(items)

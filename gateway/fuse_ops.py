@@ -259,13 +259,21 @@ class CkptOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, keep_cache=False)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
+    # The reply's FileInfo is made in the worker thread: the backing id is read under
+    # CoreState.lock, which the loop must not wait for (its holders may do I/O).
+    def _opened(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+        return self._file_info(self.core.open(inode, flags))
+
+    def _created(self, parent_inode: int, name: bytes, mode: int, flags: int, caller) -> tuple:
+        fh, attr = self.core.create(parent_inode, name, mode, flags, caller)
+        return self._file_info(fh), attr
+
     async def open(self, inode, flags, ctx):
-        fh = await self._call("open", self.core.open, inode, flags)
-        return self._file_info(fh)
+        return await self._call("open", self._opened, inode, flags)
 
     async def create(self, parent_inode, name, mode, flags, ctx):
-        fh, attr = await self._call("create", self.core.create, parent_inode, name, mode, flags, _caller(ctx))
-        return self._file_info(fh), _entry(attr, self._entry_timeout(parent_inode))
+        info, attr = await self._call("create", self._created, parent_inode, name, mode, flags, _caller(ctx))
+        return info, _entry(attr, self._entry_timeout(parent_inode))
 
     async def read(self, fh, off, size):
         data = await self._call("read", self.core.read, fh, off, size)
@@ -294,13 +302,28 @@ class CkptOperations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         return await self._call("opendir", self.core.opendir, inode)
 
+    def _listed(self, fh: int, start_id: int) -> tuple[list, float]:
+        """In the worker thread: the entries, and their entry timeout (which needs the
+        directory handle's inode, read under CoreState.lock)."""
+        entries = self.core.readdir(fh, start_id)
+        return entries, self._entry_timeout(0, dir_fh=fh) if entries else 0.0
+
     async def readdir(self, fh, start_id, token):
-        entries = await self._call("readdir", self.core.readdir, fh, start_id)
-        timeout = self._entry_timeout(0, dir_fh=fh) if entries else 0.0
-        for name, attr, next_id in entries:
-            if not pyfuse3.readdir_reply(token, name, _entry(attr, timeout), next_id):
-                break
-            self.core.count_lookup(attr.ino)
+        async with self._answering("readdir"):
+            entries, timeout = await self._workers.run(self._listed, fh, start_id)
+            replied = []
+            for name, attr, next_id in entries:
+                if not pyfuse3.readdir_reply(token, name, _entry(attr, timeout), next_id):
+                    break
+                replied.append(attr.ino)
+            if replied:
+                # The kernel takes a reference to each entry it took (readdirplus). Counted
+                # before this reply goes out, so no FORGET of them can come first; in a
+                # worker thread if the state lock is busy.
+                try:
+                    self.core.count_lookups_nowait(replied)
+                except WouldBlock:
+                    await self._workers.run(self.core.count_lookups, replied)
 
     async def releasedir(self, fh):
         await self._call("releasedir", self.core.releasedir, fh)
