@@ -345,14 +345,20 @@ def mark_names_below_moved(txn: Txn, dir_ino: int, old_dir_key: str, now_ns: int
     new names, then tombstones that key. But a file's other names hold copies no record
     names (a second hard link, ``ln b c/x; mv c a``): each file below whose record is at
     another key gets a tombstone for its old path here, held until the file's new names are
-    in the bucket (:func:`held_for_new_names`), so a reader never finds neither name."""
-    for rel, child in txn.iter_subtree(dir_ino):
+    in the bucket (:func:`held_for_new_names`), so a reader never finds neither name.
+
+    Not for a settled file with one name: when it settled, its one name was its record's
+    key, and since then only renames of directories above it (which the bucket has not
+    seen) changed its path, so nothing is at the old one. (A directory renamed twice before
+    the drain moved it adds no tombstone per file.)"""
+    for rel, child, inode in txn.iter_subtree_inodes(dir_ino):
+        if inode is None or inode.is_dir:
+            continue  # a directory's marker is its record: the drain moves it
+        if inode.nlink == 1 and txn.get_pending(child) is None:
+            continue
         remote = txn.get_remote(child)
         if remote is None:
             continue  # never in the bucket: nothing at its old path (an intent covers a write in flight)
-        inode = txn.get_inode(child)
-        if inode is None or inode.is_dir:
-            continue  # a directory's marker is its record: the drain moves it
         old_key = old_dir_key + "/" + _decode(rel)
         if remote.key != old_key:
             txn.add_tombstone(old_key, now_ns=now_ns, after=child)

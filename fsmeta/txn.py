@@ -207,13 +207,18 @@ class Txn:
 
     def iter_subtree(self, ino: int) -> Iterator[tuple[bytes, int]]:
         """(relative path, ino) of everything below directory ``ino``, depth first."""
+        for rel, child, _ in self.iter_subtree_inodes(ino):
+            yield rel, child
+
+    def iter_subtree_inodes(self, ino: int) -> Iterator[tuple[bytes, int, Inode | None]]:
+        """(relative path, ino, inode) of everything below directory ``ino``, depth first."""
         stack = [(b"", ino)]
         while stack:
             base, dir_ino = stack.pop()
             for name, child in self.iter_dir(dir_ino):
                 rel = base + b"/" + name if base else name
-                yield rel, child
                 inode = self.get_inode(child)
+                yield rel, child, inode
                 if inode is not None and inode.is_dir:
                     stack.append((rel, child))
 

@@ -311,8 +311,7 @@ class Namespace:
             txn.remove_entry(old_parent, old_name)
             txn.add_entry(new_parent, new_name, ino)
             if inode.is_dir:
-                txn.add_tombstone(old_key + "/", now_ns=now)
-                durability.mark_names_below_moved(txn, ino, old_key, now)
+                self._forget_old_dir_name(txn, ino, old_key, now)
                 if old_parent != new_parent:
                     old_dir.nlink -= 1
                     new_dir.nlink += 1
@@ -341,6 +340,14 @@ class Namespace:
         if remote is None or remote.key != old_key:
             txn.add_tombstone(old_key, now_ns=now)
 
+    @staticmethod
+    def _forget_old_dir_name(txn: Txn, ino: int, old_key: str, now: int) -> None:
+        """A directory leaves the name ``old_key``: a marker object there goes (unless the name
+        is a directory again by then, or the marker is this directory's own, which the drain
+        moves), and so do its files' old names that no record covers."""
+        txn.add_tombstone(old_key + "/", now_ns=now)
+        durability.mark_names_below_moved(txn, ino, old_key, now)
+
     def _exchange(self, txn: Txn, old_dir: Inode, old_name: bytes, a: Inode,
                   new_dir: Inode, new_name: bytes, b: Inode, now: int) -> None:
         if a.ino == b.ino:
@@ -356,7 +363,7 @@ class Namespace:
         old_keys = {a.ino: rel_key(txn, old_dir.ino, old_name), b.ino: rel_key(txn, new_dir.ino, new_name)}
         for inode in (a, b):
             if inode.is_dir:
-                durability.mark_names_below_moved(txn, inode.ino, old_keys[inode.ino], now)
+                self._forget_old_dir_name(txn, inode.ino, old_keys[inode.ino], now)
             else:
                 self._forget_old_name(txn, inode.ino, old_keys[inode.ino], now)
         txn.remove_entry(old_dir.ino, old_name)
