@@ -374,20 +374,17 @@ def held_for_new_names(txn: Txn, rec: dict) -> bool:
     return inode is not None and inode.nlink > 0 and pending_at_or_above(txn, ino)
 
 
-def release_held_in_the_way(txn: Txn, keys: list[str]) -> bool:
+def release_held_in_the_way(txn: Txn, keys: list[str]) -> None:
     """Writing ``keys`` waits for objects of their other shape to leave
     (:func:`key_shape_in_flux`): an old name held for its file's new names
     (:func:`held_for_new_names`) is deleted now instead, since that file's own move may wait
     for the very write that waits for it (``RENAME_EXCHANGE`` of a file and a directory
-    holding a second link). True if one was released."""
-    released = False
+    holding a second link)."""
     for key in keys:
         for other in list(_other_shape_tombstones(txn, key)):
             rec = txn.get_tombstone(other)
             if rec is not None and rec.get("after") is not None:
                 txn.add_tombstone(other, now_ns=rec.get("since_ns"))
-                released = True
-    return released
 
 
 def key_shape_in_flux(txn: Txn, key: str) -> bool:
