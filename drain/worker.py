@@ -240,6 +240,7 @@ class Drain:
             ))
         tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
                       if not durability.awaits_its_writer(txn, key, rec)
+                      and not durability.held_for_new_names(txn, rec)
                       and not schedule.below_marker(key, list(stale_markers), self.markers)]
         # Markers still in the bucket that are leaving: moving, or queued for deletion.
         leaving_markers = stale_markers | {
@@ -461,6 +462,7 @@ class Drain:
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             if await self._read(self._must_wait_for_leaving_objects, job):
+                await self._write(durability.release_held_in_the_way, job.keys)
                 partner = await self._read(self._shape_cycle_partner, job)
                 if partner is not None and not self.cycle_breaks & {job.ino, partner}:
                     await self._break_shape_cycle(job)

@@ -338,6 +338,55 @@ def awaits_its_writer(txn: Txn, key: str, rec: dict) -> bool:
     return any(_decode(p) == key for p in txn.paths_of(ino))
 
 
+def mark_names_below_moved(txn: Txn, dir_ino: int, old_dir_key: str, now_ns: int) -> None:
+    """The directory ``dir_ino`` leaves the name ``old_dir_key`` (rename, ``RENAME_EXCHANGE``).
+
+    The drain moves each file's recorded object (``remote.key``) itself: it copies it to the
+    new names, then tombstones that key. But a file's other names hold copies no record
+    names (a second hard link, ``ln b c/x; mv c a``): each file below whose record is at
+    another key gets a tombstone for its old path here, held until the file's new names are
+    in the bucket (:func:`held_for_new_names`), so a reader never finds neither name.
+
+    Not for a settled file with one name: when it settled, its one name was its record's
+    key, and since then only renames of directories above it (which the bucket has not
+    seen) changed its path, so nothing is at the old one. (A directory renamed twice before
+    the drain moved it adds no tombstone per file.)"""
+    for rel, child, inode in txn.iter_subtree_inodes(dir_ino):
+        if inode is None or inode.is_dir:
+            continue  # a directory's marker is its record: the drain moves it
+        if inode.nlink == 1 and txn.get_pending(child) is None:
+            continue
+        remote = txn.get_remote(child)
+        if remote is None:
+            continue  # never in the bucket: nothing at its old path (an intent covers a write in flight)
+        old_key = old_dir_key + "/" + _decode(rel)
+        if remote.key != old_key:
+            txn.add_tombstone(old_key, now_ns=now_ns, after=child)
+
+
+def held_for_new_names(txn: Txn, rec: dict) -> bool:
+    """A tombstone of an old name (:func:`mark_names_below_moved`) whose file still has names
+    to write (it, or a renamed directory above it, is pending): not deleted yet."""
+    ino = rec.get("after")
+    if ino is None:
+        return False
+    inode = txn.get_inode(ino)
+    return inode is not None and inode.nlink > 0 and pending_at_or_above(txn, ino)
+
+
+def release_held_in_the_way(txn: Txn, keys: list[str]) -> None:
+    """Writing ``keys`` waits for objects of their other shape to leave
+    (:func:`key_shape_in_flux`): an old name held for its file's new names
+    (:func:`held_for_new_names`) is deleted now instead, since that file's own move may wait
+    for the very write that waits for it (``RENAME_EXCHANGE`` of a file and a directory
+    holding a second link)."""
+    for key in keys:
+        for other in list(_other_shape_tombstones(txn, key)):
+            rec = txn.get_tombstone(other)
+            if rec is not None and rec.get("after") is not None:
+                txn.add_tombstone(other, now_ns=rec.get("since_ns"))
+
+
 def key_shape_in_flux(txn: Txn, key: str) -> bool:
     """The bucket still holds ``key``'s other shape, on its way out: objects below ``key/``
     (``mv b c; mv f b``: ``b/x`` until it has moved) or a file object at a directory above
@@ -360,24 +409,34 @@ def _other_shape_leaving(txn: Txn, key: str) -> Iterator[int | None]:
     def leaving(k: str, owner: int) -> bool:
         return all(_decode(p) != k for p in txn.paths_of(owner))
 
+    yield from (None for _ in _other_shape_tombstones(txn, key))
     if not key.endswith("/"):  # (a directory's marker ``d/`` and the objects below it coexist)
-        if next(txn.tombstones_below(base + "/"), None) is not None:
-            yield None
         yield from (owner for k, owner in txn.remote_keys_below(base + "/") if leaving(k, owner))
     else:  # a directory's marker ``d/``: a file object ``d`` on its way out (RENAME_EXCHANGE)
-        if txn.get_tombstone(base) is not None:
-            yield None
         owner = txn.owner_of_remote_key(base)
         if owner is not None and leaving(base, owner):
             yield owner
-    parts = base.split("/")
-    for i in range(1, len(parts)):
-        above = "/".join(parts[:i])
-        if txn.get_tombstone(above) is not None:
-            yield None
+    for above in _keys_above(base):
         owner = txn.owner_of_remote_key(above)
         if owner is not None and leaving(above, owner):
             yield owner
+
+
+def _other_shape_tombstones(txn: Txn, key: str) -> Iterator[str]:
+    """The tombstoned keys of ``key``'s other shape: below ``key/`` (for a file's key), the
+    file object ``d`` (for a marker ``d/``), and any file object at a directory above."""
+    base = key.rstrip("/")
+    if not key.endswith("/"):
+        yield from (k for k, _ in txn.tombstones_below(base + "/"))
+    elif txn.get_tombstone(base) is not None:
+        yield base
+    yield from (above for above in _keys_above(base) if txn.get_tombstone(above) is not None)
+
+
+def _keys_above(base: str) -> Iterator[str]:
+    parts = base.split("/")
+    for i in range(1, len(parts)):
+        yield "/".join(parts[:i])
 
 
 # -- queries -----------------------------------------------------------------------------

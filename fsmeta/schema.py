@@ -58,7 +58,12 @@ database      key                             value
                                               to abort), ``multipart`` (abort the key's
                                               uploads fsmeta does not know), ``writer``
                                               (ino: the drain is writing this key for it;
-                                              no delete while it is pending under it)
+                                              no delete while it is pending under it),
+                                              ``after`` (ino: an old name of that file
+                                              below a renamed directory, e.g. a second
+                                              hard link's; no delete while the file or a
+                                              directory above it is pending; a record
+                                              without it is deleted at once)
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
 ``errors``    ino                             utf-8: the last permanent upload error, or a

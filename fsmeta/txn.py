@@ -207,13 +207,18 @@ class Txn:
 
     def iter_subtree(self, ino: int) -> Iterator[tuple[bytes, int]]:
         """(relative path, ino) of everything below directory ``ino``, depth first."""
+        for rel, child, _ in self.iter_subtree_inodes(ino):
+            yield rel, child
+
+    def iter_subtree_inodes(self, ino: int) -> Iterator[tuple[bytes, int, Inode | None]]:
+        """(relative path, ino, inode) of everything below directory ``ino``, depth first."""
         stack = [(b"", ino)]
         while stack:
             base, dir_ino = stack.pop()
             for name, child in self.iter_dir(dir_ino):
                 rel = base + b"/" + name if base else name
-                yield rel, child
                 inode = self.get_inode(child)
+                yield rel, child, inode
                 if inode is not None and inode.is_dir:
                     stack.append((rel, child))
 
@@ -294,15 +299,17 @@ class Txn:
             yield schema.key_ino(key), UploadRecord.from_bytes(value)
 
     def add_tombstone(self, key: str, *, upload_id: str | None = None, now_ns: int | None = None,
-                      writer: int | None = None, multipart: bool = False) -> None:
+                      writer: int | None = None, multipart: bool = False, after: int | None = None) -> None:
         """Queue ``key`` for deletion from the bucket.
 
         ``writer``: the drain is about to write ``key`` for that inode (an intent: if a crash
         loses the commit, the object it wrote is still accounted for); the drain keeps such a
         tombstone while the inode is pending under that name, and removes it when it commits.
         ``multipart``: a CreateMultipartUpload of ``key`` may have been sent whose id is not
-        recorded. A tombstone added over another keeps what the older one said about multipart
-        uploads (``upload_id``, ``multipart``); only ``writer`` is replaced.
+        recorded. ``after``: an old name of that inode, deleted only once its new names are in
+        the bucket (:func:`ckptfs.fsmeta.durability.held_for_new_names`). A tombstone added over
+        another keeps what the older one said about multipart uploads (``upload_id``,
+        ``multipart``); ``writer`` and ``after`` are replaced.
         """
         old = self.get_tombstone(key) or {}
         rec: dict = {"since_ns": now_ns or time.time_ns()}
@@ -313,6 +320,8 @@ class Txn:
             rec["multipart"] = True
         if writer is not None:
             rec["writer"] = writer
+        if after is not None:
+            rec["after"] = after
         self._put("tombstones", key.encode(), json.dumps(rec).encode())
 
     def get_tombstone(self, key: str) -> dict | None:

@@ -311,17 +311,13 @@ class Namespace:
             txn.remove_entry(old_parent, old_name)
             txn.add_entry(new_parent, new_name, ino)
             if inode.is_dir:
-                txn.add_tombstone(old_key + "/", now_ns=now)
+                self._forget_old_dir_name(txn, ino, old_key, now)
                 if old_parent != new_parent:
                     old_dir.nlink -= 1
                     new_dir.nlink += 1
                 inode.parent = new_parent
             else:
-                remote = txn.get_remote(ino)
-                if remote is None or remote.key != old_key:
-                    # The old name may hold an object nobody owns; the drain moves
-                    # the owned one (copy, then delete) itself.
-                    txn.add_tombstone(old_key, now_ns=now)
+                self._forget_old_name(txn, ino, old_key, now)
             inode.ctime_ns = now
             txn.put_inode(inode)
             durability.mark_moved(txn, ino, now)
@@ -335,6 +331,23 @@ class Namespace:
         for victim in victim_box:
             self._lookups.maybe_purge(victim)
 
+    @staticmethod
+    def _forget_old_name(txn: Txn, ino: int, old_key: str, now: int) -> None:
+        """A file leaves the name ``old_key``. The drain moves its recorded object (copy, then
+        delete) itself; any other object there (a second link's copy, an object nobody owns)
+        must go, unless the name is live again by then (the drain checks)."""
+        remote = txn.get_remote(ino)
+        if remote is None or remote.key != old_key:
+            txn.add_tombstone(old_key, now_ns=now)
+
+    @staticmethod
+    def _forget_old_dir_name(txn: Txn, ino: int, old_key: str, now: int) -> None:
+        """A directory leaves the name ``old_key``: a marker object there goes (unless the name
+        is a directory again by then, or the marker is this directory's own, which the drain
+        moves), and so do its files' old names that no record covers."""
+        txn.add_tombstone(old_key + "/", now_ns=now)
+        durability.mark_names_below_moved(txn, ino, old_key, now)
+
     def _exchange(self, txn: Txn, old_dir: Inode, old_name: bytes, a: Inode,
                   new_dir: Inode, new_name: bytes, b: Inode, now: int) -> None:
         if a.ino == b.ino:
@@ -347,6 +360,12 @@ class Namespace:
         extra_b = longest_below(txn, b.ino) if b.is_dir else 0
         self._keys.check(txn, new_dir.ino, new_name, is_dir=a.is_dir, subtree_extra=extra_a)
         self._keys.check(txn, old_dir.ino, old_name, is_dir=b.is_dir, subtree_extra=extra_b)
+        old_keys = {a.ino: rel_key(txn, old_dir.ino, old_name), b.ino: rel_key(txn, new_dir.ino, new_name)}
+        for inode in (a, b):
+            if inode.is_dir:
+                self._forget_old_dir_name(txn, inode.ino, old_keys[inode.ino], now)
+            else:
+                self._forget_old_name(txn, inode.ino, old_keys[inode.ino], now)
         txn.remove_entry(old_dir.ino, old_name)
         txn.remove_entry(new_dir.ino, new_name)
         txn.add_entry(new_dir.ino, new_name, a.ino)

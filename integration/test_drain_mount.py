@@ -1,5 +1,5 @@
 """A real mount on s3://bucket/prefix against radosgw: object layout, metadata, torch.save,
-commit markers last, --fsync=remote, refused credentials."""
+commit markers last, hard links below a renamed directory, --fsync=remote, refused credentials."""
 
 from __future__ import annotations
 
@@ -152,6 +152,22 @@ def test_sharded_checkpoint_marker_drains_last(s3_server, s3_bucket, mounts, pro
     assert all(r.t_end <= marker_put[0].t_start for r in completes)
     assert sum(1 for r in recs if r.op == "UploadPart" and r.status == 200) == 4 * 5
     m.unmount()
+
+
+def test_a_renamed_directory_holding_a_second_hard_link_leaves_no_object_at_the_old_name(s3_server, s3_bucket, mounts):
+    """``ln b c/x; mv c a``: other nodes must not keep seeing ``c/x`` in the bucket."""
+    c = s3_server.client()
+    m = mounts(s3_server, s3_bucket, "links", drain=FAST).start()
+    write_file(m.path("b"), b"linked")
+    (m.mnt / "c").mkdir()
+    os.link(m.path("b"), m.path("c/x"))
+    m.wait_durable(timeout=60)
+    assert set(listing(c, s3_bucket)) == {m.key("b"), m.key("c/x")}
+    os.rename(m.path("c"), m.path("a"))
+    m.wait_durable(timeout=60)
+    assert set(listing(c, s3_bucket)) == {m.key("b"), m.key("a/x")}
+    assert c.get_object(Bucket=s3_bucket, Key=m.key("a/x"))["Body"].read() == b"linked"
+    assert m.unmount() == 0
 
 
 def test_fsync_remote_waits_for_the_bucket(s3_server, s3_bucket, mounts):

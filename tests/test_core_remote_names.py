@@ -315,6 +315,22 @@ def test_a_local_unlink_or_rename_does_not_bring_the_old_object_back(node):
     assert node.problems() == []
 
 
+def test_a_renamed_directory_holding_a_second_link_does_not_bring_its_old_name_back(node):
+    """``ln b c/x; mv c a; mkdir c``: the copy at ``c/x`` is no name of the file any more."""
+    node.core.mkdir(ROOT_INO, b"c", 0o755, USER)
+    ino = write(node, "b", b"linked")
+    node.core.link(ino, node.walk("c").ino, b"x")
+    node.drain()
+    node.core.rename(ROOT_INO, b"c", ROOT_INO, b"a")
+    node.core.mkdir(ROOT_INO, b"c", 0o755, USER)
+    node.advance()
+    assert node.ls("c") == []  # before the drain (c/x waits for its delete)
+    node.drain()
+    node.advance()
+    assert node.ls("c") == [] and node.ls("a") == ["x"]
+    assert node.problems() == []
+
+
 def test_an_object_deleted_in_the_bucket_disappears_after_the_ttl(node):
     node.put("ckpt/keep", b"0")
     node.put("ckpt/a", b"1")
