@@ -217,6 +217,20 @@ class Drain:
         candidates = []
         lost = {}
         stale_markers = {}  # bucket key of a marker that will move (its old name is gone) -> its names
+        dir_paths: dict[int, bytes | None] = {ROOT_INO: b""}  # this scan's directories (most share a few)
+
+        def path_of(ino: int) -> bytes | None:  # Txn.path_of, each directory looked up once
+            if ino == ROOT_INO:
+                return b""
+            links = txn.links_of(ino)
+            if not links:
+                return None
+            parent, name = links[0]
+            if parent not in dir_paths:
+                dir_paths[parent] = txn.path_of(parent)
+            base = dir_paths[parent]
+            return None if base is None else (base + b"/" + name if base else name)
+
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
@@ -226,7 +240,7 @@ class Drain:
                 names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
                 if remote.key not in names:
                     stale_markers[remote.key] = names
-            path = txn.path_of(ino)
+            path = path_of(ino)
             if path is None:
                 continue
             is_lost = durability.is_cache_lost(txn, ino)
@@ -614,7 +628,8 @@ class Drain:
 
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
         """Record the keys this reconcile writes before it writes them (a crash before the
-        commit must not leave an object, or a multipart upload, nobody knows about)."""
+        commit must not leave an object, or a multipart upload, nobody knows about), and,
+        for an upload, that it starts (state UPLOADING): one synced commit for both."""
         if job.durable_in_bucket:
             keys = [k for k in job.keys if k != job.remote.key or job.reason == durability.META]
             multipart_key = None
@@ -622,6 +637,7 @@ class Drain:
             keys = job.keys
             uploads_parts = job.size > self.part_size and not (job.is_symlink or job.special)
             multipart_key = job.keys[0] if uploads_parts else None
+            durability.mark_uploading(txn, job.ino, job.generation)
         durability.begin_bucket_writes(txn, job.ino, keys, multipart_key=multipart_key)
 
     # -- markers of a checkpoint whose shards are replaced -----------------------------------
@@ -887,9 +903,9 @@ class Drain:
 
     async def _upload(self, job: FileJob, key: str) -> tuple[str | None, str, int]:
         """Upload the file's current generation to ``key``: (etag, blake3, size), or (None, "", 0)
-        if its generation moved meanwhile (the caller leaves it queued)."""
+        if its generation moved meanwhile (the caller leaves it queued). The caller has
+        committed its keys' intents and the state UPLOADING (``_begin_writes``)."""
 
-        await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, rdev=job.rdev)
         if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).
