@@ -58,6 +58,9 @@ from .upload import (
 log = logging.getLogger("ckptfs.drain")
 
 POLL_SECONDS = 0.1
+# A scan reads every pending inode (and tombstone): with a long queue it runs less often than
+# the loop polls, so that scanning takes at most this share of a core.
+SCAN_CPU_SHARE = 0.1
 STATUS_SECONDS = 1.0
 RATE_SAMPLES = 10  # status periods the published upload rate averages over
 PERMANENT_RETRY_SECONDS = 60.0  # longest wait before retrying a file after a permanent error
@@ -269,8 +272,16 @@ class Drain:
         await self._startup()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
+            ready: list[schedule.Candidate] = []  # regular files the last scan found ready, not started yet
+            next_scan = 0.0
             while stop is None or not stop.is_set():
-                candidates, tombstones, self.lost, self.leaving_markers = await self._read(self._scan)
+                if time.monotonic() < next_scan:
+                    # Between scans, slots that free up take what the last scan found ready.
+                    ready = self._start_ready(nursery, ready)
+                    await trio.sleep(POLL_SECONDS)
+                    continue
+                (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
+                    await self._read(self._timed_scan)
                 self._prune_errors(candidates)
                 if (self.until_empty and not tombstones and not self.busy
                         and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
@@ -287,26 +298,48 @@ class Drain:
                 else:
                     self.idle_since = None
                 now = self.clock()
-                mono = time.monotonic()
-                ready = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
-                                          markers=self.markers, busy=self.busy)
-                for cand in ready:
-                    if len(self.busy) >= self.concurrency:
-                        break
-                    if self.retry_after.get(cand.ino, 0) > mono:
-                        continue
-                    if cand.path in self.deleting_keys:
-                        continue
-                    self.busy.add(cand.ino)
-                    nursery.start_soon(self._reconcile_task, cand)
+                cpu_before = time.thread_time()
+                eligible = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
+                                             markers=self.markers, busy=self.busy)
+                scan_cpu += time.thread_time() - cpu_before
+                next_scan = time.monotonic() + self._scan_interval(scan_cpu)
+                # What waits for a slot may start before the next scan, except directories
+                # and markers: their turn depends on other pending inodes, judged at a scan.
+                ready = [c for c in self._start_ready(nursery, eligible)
+                         if not c.is_dir and not schedule.is_marker(c.path, self.markers)]
                 if tombstones and not self.tombstones_running:
                     self.tombstones_running = True
                     nursery.start_soon(self._tombstone_task, tombstones)
                 if self.prehashing is None and self.settle_ns > 0:
-                    self._start_prehash(nursery, candidates, ready, now)
+                    self._start_prehash(nursery, candidates, eligible, now)
                 await trio.sleep(POLL_SECONDS)
             nursery.cancel_scope.cancel()
         await self._publish_status()
+
+    @staticmethod
+    def _scan_interval(scan_cpu: float) -> float:
+        """Seconds until the next scan, after one that took ``scan_cpu`` CPU seconds."""
+        return max(POLL_SECONDS, scan_cpu / SCAN_CPU_SHARE)
+
+    def _timed_scan(self, txn: Txn) -> tuple[tuple, float]:
+        """:meth:`_scan` and the CPU seconds it took (it runs in a worker thread)."""
+        start = time.thread_time()
+        return self._scan(txn), time.thread_time() - start
+
+    def _start_ready(self, nursery, ready: list[schedule.Candidate]) -> list[schedule.Candidate]:
+        """Start ``ready`` candidates (oldest first) while slots are free; returns those left
+        for want of a slot. One in back-off or whose key is being deleted waits for a scan."""
+        mono = time.monotonic()
+        for i, cand in enumerate(ready):
+            if len(self.busy) >= self.concurrency:
+                return ready[i:]
+            if cand.ino in self.busy or self.retry_after.get(cand.ino, 0) > mono:
+                continue
+            if cand.path in self.deleting_keys:
+                continue
+            self.busy.add(cand.ino)
+            nursery.start_soon(self._reconcile_task, cand)
+        return []
 
     def _release_buffers_when_idle(self) -> None:
         """Part buffers (concurrency x part size) go back to the OS after a quiet spell."""
