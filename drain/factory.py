@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from ckptfs.fsmeta.settings import CHECKSUMS, Settings, parse_store_url
 
-from .filestore import FileStore
-from .s3store import S3Store
 from .store import ObjectStore
 
 
@@ -26,8 +24,14 @@ def open_store(bucket_url: str, *, checksum: str = "auto", concurrency: int = 8,
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}; got {checksum!r}")
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    # Each store's module is imported only when a URL needs it: aiobotocore (and the aiohttp
+    # it imports) is most of a drain's start-up, and a file:// bucket needs none of it.
     if u.scheme == "s3":
+        from .s3store import S3Store
+
         return S3Store(bucket=u.bucket, prefix=u.prefix, checksum=checksum, concurrency=concurrency, **s3_options)
+    from .filestore import FileStore
+
     return FileStore(u.path, checksum=checksum)
 
 

@@ -62,8 +62,10 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
 
     async with open_store_for(settings) as store:
         # botocore's service model and client are tens of thousands of long-lived objects:
-        # keep them out of every later GC pass (a few % of the drain's CPU otherwise).
+        # keep them out of every later GC pass (a few % of the drain's CPU otherwise). The
+        # command may have kept the collector off through start-up (ckptfs/cli/drain.py).
         gc.freeze()
+        gc.enable()
         drain = Drain(cache_dir, meta, settings, store)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)

@@ -42,11 +42,16 @@ import re
 import secrets
 import select
 import socket
+import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from xml.etree import ElementTree
+
+# httpx imports its command-line client (rich, click, pygments: ~40 ms of CPU at every start)
+# unless that import fails, which it handles (the client is an optional extra); we never run it.
+sys.modules.setdefault("httpx._main", None)
 
 import botocore.auth
 import botocore.exceptions

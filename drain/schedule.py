@@ -24,6 +24,7 @@ Rules (docs/ARCHITECTURE.md, "Drain order"):
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from dataclasses import dataclass
 
@@ -43,6 +44,12 @@ class Candidate:
 
 
 def is_marker(path: str, patterns: list[str]) -> bool:
+    return _is_marker(path, tuple(patterns))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_marker(path: str, patterns: tuple[str, ...]) -> bool:
+    # Asked of every pending path at every scan of the drain: the answers are remembered.
     return is_marker_name(posixpath.basename(path), patterns)
 
 

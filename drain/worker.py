@@ -58,6 +58,9 @@ from .upload import (
 log = logging.getLogger("ckptfs.drain")
 
 POLL_SECONDS = 0.1
+# A scan reads every pending inode (and tombstone): with a long queue it runs less often than
+# the loop polls, so that scanning takes at most this share of a core.
+SCAN_CPU_SHARE = 0.1
 STATUS_SECONDS = 1.0
 RATE_SAMPLES = 10  # status periods the published upload rate averages over
 PERMANENT_RETRY_SECONDS = 60.0  # longest wait before retrying a file after a permanent error
@@ -217,6 +220,20 @@ class Drain:
         candidates = []
         lost = {}
         stale_markers = {}  # bucket key of a marker that will move (its old name is gone) -> its names
+        dir_paths: dict[int, bytes | None] = {ROOT_INO: b""}  # this scan's directories (most share a few)
+
+        def path_of(ino: int) -> bytes | None:  # Txn.path_of, each directory looked up once
+            if ino == ROOT_INO:
+                return b""
+            links = txn.links_of(ino)
+            if not links:
+                return None
+            parent, name = links[0]
+            if parent not in dir_paths:
+                dir_paths[parent] = txn.path_of(parent)
+            base = dir_paths[parent]
+            return None if base is None else (base + b"/" + name if base else name)
+
         for ino, rec in txn.iter_pending():
             inode = txn.get_inode(ino)
             if inode is None:
@@ -226,7 +243,7 @@ class Drain:
                 names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
                 if remote.key not in names:
                     stale_markers[remote.key] = names
-            path = txn.path_of(ino)
+            path = path_of(ino)
             if path is None:
                 continue
             is_lost = durability.is_cache_lost(txn, ino)
@@ -256,8 +273,16 @@ class Drain:
         await self._startup()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._status_loop)
+            ready: list[schedule.Candidate] = []  # regular files the last scan found ready, not started yet
+            next_scan = 0.0
             while stop is None or not stop.is_set():
-                candidates, tombstones, self.lost, self.leaving_markers = await self._read(self._scan)
+                if time.monotonic() < next_scan:
+                    # Between scans, slots that free up take what the last scan found ready.
+                    ready = self._start_ready(nursery, ready)
+                    await trio.sleep(POLL_SECONDS)
+                    continue
+                (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
+                    await self._read(self._timed_scan)
                 self._prune_errors(candidates)
                 if (self.until_empty and not tombstones and not self.busy
                         and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
@@ -274,26 +299,48 @@ class Drain:
                 else:
                     self.idle_since = None
                 now = self.clock()
-                mono = time.monotonic()
-                ready = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
-                                          markers=self.markers, busy=self.busy)
-                for cand in ready:
-                    if len(self.busy) >= self.concurrency:
-                        break
-                    if self.retry_after.get(cand.ino, 0) > mono:
-                        continue
-                    if cand.path in self.deleting_keys:
-                        continue
-                    self.busy.add(cand.ino)
-                    nursery.start_soon(self._reconcile_task, cand)
+                cpu_before = time.thread_time()
+                eligible = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
+                                             markers=self.markers, busy=self.busy)
+                scan_cpu += time.thread_time() - cpu_before
+                next_scan = time.monotonic() + self._scan_interval(scan_cpu)
+                # What waits for a slot may start before the next scan, except directories
+                # and markers: their turn depends on other pending inodes, judged at a scan.
+                ready = [c for c in self._start_ready(nursery, eligible)
+                         if not c.is_dir and not schedule.is_marker(c.path, self.markers)]
                 if tombstones and not self.tombstones_running:
                     self.tombstones_running = True
                     nursery.start_soon(self._tombstone_task, tombstones)
                 if self.prehashing is None and self.settle_ns > 0:
-                    self._start_prehash(nursery, candidates, ready, now)
+                    self._start_prehash(nursery, candidates, eligible, now)
                 await trio.sleep(POLL_SECONDS)
             nursery.cancel_scope.cancel()
         await self._publish_status()
+
+    @staticmethod
+    def _scan_interval(scan_cpu: float) -> float:
+        """Seconds until the next scan, after one that took ``scan_cpu`` CPU seconds."""
+        return max(POLL_SECONDS, scan_cpu / SCAN_CPU_SHARE)
+
+    def _timed_scan(self, txn: Txn) -> tuple[tuple, float]:
+        """:meth:`_scan` and the CPU seconds it took (it runs in a worker thread)."""
+        start = time.thread_time()
+        return self._scan(txn), time.thread_time() - start
+
+    def _start_ready(self, nursery, ready: list[schedule.Candidate]) -> list[schedule.Candidate]:
+        """Start ``ready`` candidates (oldest first) while slots are free; returns those left
+        for want of a slot. One in back-off or whose key is being deleted waits for a scan."""
+        mono = time.monotonic()
+        for i, cand in enumerate(ready):
+            if len(self.busy) >= self.concurrency:
+                return ready[i:]
+            if cand.ino in self.busy or self.retry_after.get(cand.ino, 0) > mono:
+                continue
+            if cand.path in self.deleting_keys:
+                continue
+            self.busy.add(cand.ino)
+            nursery.start_soon(self._reconcile_task, cand)
+        return []
 
     def _release_buffers_when_idle(self) -> None:
         """Part buffers (concurrency x part size) go back to the OS after a quiet spell."""
@@ -616,7 +663,8 @@ class Drain:
 
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
         """Record the keys this reconcile writes before it writes them (a crash before the
-        commit must not leave an object, or a multipart upload, nobody knows about)."""
+        commit must not leave an object, or a multipart upload, nobody knows about), and,
+        for an upload, that it starts (state UPLOADING): one synced commit for both."""
         if job.durable_in_bucket:
             keys = [k for k in job.keys if k != job.remote.key or job.reason == durability.META]
             multipart_key = None
@@ -624,6 +672,7 @@ class Drain:
             keys = job.keys
             uploads_parts = job.size > self.part_size and not (job.is_symlink or job.special)
             multipart_key = job.keys[0] if uploads_parts else None
+            durability.mark_uploading(txn, job.ino, job.generation)
         durability.begin_bucket_writes(txn, job.ino, keys, multipart_key=multipart_key)
 
     # -- markers of a checkpoint whose shards are replaced -----------------------------------
@@ -889,9 +938,9 @@ class Drain:
 
     async def _upload(self, job: FileJob, key: str) -> tuple[str | None, str, int]:
         """Upload the file's current generation to ``key``: (etag, blake3, size), or (None, "", 0)
-        if its generation moved meanwhile (the caller leaves it queued)."""
+        if its generation moved meanwhile (the caller leaves it queued). The caller has
+        committed its keys' intents and the state UPLOADING (``_begin_writes``)."""
 
-        await self._write(durability.mark_uploading, job.ino, job.generation)
         meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, rdev=job.rdev)
         if job.is_symlink or job.special or job.size == 0:
             # Empty content needs no cache file (``mknod`` creates none).

@@ -9,6 +9,7 @@ address parsers are here for the same reason.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import re
 import tomllib
@@ -23,7 +24,14 @@ DEFAULT_MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
 
 def is_marker_name(name: str, patterns: Iterable[str]) -> bool:
     """Whether a file name (not a path) matches one of the marker globs."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+    return _markers_regex(tuple(patterns))(name) is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _markers_regex(patterns: tuple[str, ...]):
+    # One regex for all the globs (fnmatchcase's own translation): the drain asks this of
+    # every pending file at every scan, several times a second.
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns) or "(?!)").match
 
 MIB = 1 << 20
 GIB = 1 << 30

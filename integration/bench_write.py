@@ -258,12 +258,34 @@ def gateway_probe(mount: Mount):
     return probe
 
 
-def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, float], float]:
+def drain_cpu_until_idle(mount: Mount, *, quiet_cpu: float = 0.02, interval: float = 1.0,
+                         timeout: float = 120.0) -> float:
+    """The mount's drain CPU seconds once it has gone quiet (less than ``quiet_cpu`` in
+    ``interval``): the drain lags the operations, so a phase's own window misses its work."""
+    deadline = time.monotonic() + timeout
+    drain = mount.processes().get("drain")
+    last = _cpu_seconds([drain]) if drain else 0.0
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        now = _cpu_seconds([drain]) if drain else 0.0
+        if now - last < quiet_cpu:
+            return now
+        last = now
+    return last
+
+
+def drain_requests(mount: Mount) -> float:
+    """Object-store requests the mount's drain has sent (its uploads, copies, deletes...)."""
+    return sum(_metric_samples(mount.metrics_port, "ckptfs_upload_request_duration_seconds_count").values())
+
+
+def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, float], float, float]:
     """(FUSE requests per operation, gateway CPU microseconds per operation, requests by op,
-    of the CPU the system part in microseconds per operation)."""
+    of the CPU the system part in microseconds per operation, the drain's CPU microseconds
+    per operation within the phase)."""
     by_op = {k[4:]: v for k, v in delta.items() if k.startswith("req:") and v}
     return (sum(by_op.values()) / ops, delta.get("cpu", 0.0) * 1e6 / ops, by_op,
-            delta.get("cpu_sys", 0.0) * 1e6 / ops)
+            delta.get("cpu_sys", 0.0) * 1e6 / ops, delta.get("drain_cpu", 0.0) * 1e6 / ops)
 
 
 def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int) -> dict:
@@ -281,6 +303,11 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
     results: dict[str, dict[str, list[float]]] = {side: {p: [] for p in META_PHASES} for side in sides}
     # per mount and phase, one entry per round: requests/op, gateway CPU us/op, requests by op
     cost: dict[str, dict[str, list]] = {m: {p: [] for p in META_PHASES} for m in modes}
+    # per mount, one entry per round, from the round's start until the drain is idle again:
+    # the drain's CPU us per file (its create, rename and unlink together), its CPU us per
+    # bucket request, and its bucket requests (the drain's work depends on timing: a file
+    # renamed or unlinked before its upload costs fewer requests)
+    drain_cost: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     try:
         for m in modes:
             mounts[m].start()
@@ -291,7 +318,15 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
             for side in sides:
                 os.sync()
                 probe = gateway_probe(mounts[side]) if side != "plain" else None
+                if probe is not None:
+                    drain_start = drain_cpu_until_idle(mounts[side])
+                    requests_start = drain_requests(mounts[side])
                 rates = namespace_ops(plain if side == "plain" else mounts[side].mnt, files, probe=probe)
+                if probe is not None:
+                    drain_cpu = drain_cpu_until_idle(mounts[side]) - drain_start
+                    time.sleep(1.5)  # the drain publishes its request counts once a second
+                    requests = drain_requests(mounts[side]) - requests_start
+                    drain_cost[side].append((drain_cpu * 1e6 / files, drain_cpu * 1e6 / max(requests, 1), requests))
                 for phase in META_PHASES:
                     results[side][phase].append(rates[phase])
                     if probe is not None:
@@ -311,6 +346,13 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
                 f"{statistics.median(c[0] for c in cost[m][p]):>19.2f} {statistics.median(c[1] for c in cost[m][p]):>10.0f}"
                 for p in META_PHASES))
         for m in modes:
+            print(f"  {m} drain CPU (until idle) by round: us per file (its create + rename + unlink) / bucket "
+                  "requests / us per request: "
+                  + ", ".join(f"{c[0]:.0f} / {c[2]:.0f} / {c[1]:.0f}" for c in drain_cost[m])
+                  + "; during each phase (last round): "
+                  + ", ".join(f"{p} {rates_drain:.0f}" for p, rates_drain in
+                              ((p, cost[m][p][-1][4]) for p in META_PHASES)))
+        for m in modes:
             for p in META_PHASES:
                 by_op = cost[m][p][-1][2]
                 print(f"  {m} {p}, last round, gateway CPU system us/op {cost[m][p][-1][3]:.0f}, requests by op: "
@@ -319,8 +361,10 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
         for m in mounts.values():
             m.stop()
     return {"ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
-                                                   "requests": c[2], "gateway_system_cpu_us_per_op": c[3]} for c in cost[m][p]]
-                                             for p in META_PHASES} for m in modes}}
+                                                   "requests": c[2], "gateway_system_cpu_us_per_op": c[3],
+                                                   "drain_cpu_us_per_op_in_phase": c[4]} for c in cost[m][p]]
+                                             for p in META_PHASES} for m in modes},
+            "drain_cpu_us_per_file": drain_cost}
 
 
 def torch_available() -> bool:

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import blake3
+import pytest
 
 from conftest import REPO, ckptfs_cmd
 from ckptfs.fsmeta.layout import CacheDir
@@ -128,3 +129,22 @@ def test_a_drain_without_a_gateway_serves_the_nodes_metrics(denv):
         assert 'ckptfs_upload_request_duration_seconds_count{op="put"}' in text
         drain.send_signal(signal.SIGTERM)
         assert drain.wait(20) == 0
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_a_stopped_metrics_endpoint_frees_its_port_for_the_next_drain(host):
+    # A one-shot drain stops its endpoint at exit (woken by a connection rather than waiting
+    # for the server's 0.5 s poll), also when bound to every address; the next drain or
+    # gateway on the node then binds the same port.
+    from conftest import free_port
+    from prometheus_client import CollectorRegistry
+
+    from ckptfs.drain import metrics
+
+    port = free_port()
+    server = metrics.serve(f"{host}:{port}", CollectorRegistry())
+    assert server is not None
+    metrics.stop(server)
+    again = metrics.serve(f"{host}:{port}", CollectorRegistry())
+    assert again is not None, "the port was still taken after stop()"
+    metrics.stop(again)

@@ -15,7 +15,7 @@ import trio
 from ckptfs.drain import upload
 from ckptfs.drain import worker
 from ckptfs.drain.store import StoreError
-from ckptfs.fsmeta import UploadPhase
+from ckptfs.fsmeta import FileState, UploadPhase
 
 from test_drain_support import REPO_ROOT, Crash, MiB, RecStore, denv, leaves, wait_for  # noqa: F401
 
@@ -189,6 +189,35 @@ def test_crash_between_complete_and_commit_is_recognised(denv):
     assert "w.bin" in rec.calls("head")
     assert_object(denv, "w.bin", data)
     assert denv.upload_record("w.bin") is None and denv.pending() == {}
+
+
+def test_crash_after_the_intent_commit_before_any_bucket_write_uploads_again(denv):
+    # _begin_writes commits the keys' intents and the state UPLOADING together; a drain killed
+    # right after that commit (here: as its first PUT or CreateMultipartUpload starts) has
+    # written nothing, and the next one uploads both files and leaves no intent behind.
+    small, big = os.urandom(1000), os.urandom(11 * MiB)
+    denv.write_file("run/small.json", small)
+    denv.write_file("run/big.bin", big)
+    rec = RecStore(None)
+
+    async def crash(key, extra):
+        raise Crash("kill -9 after the intent commit")
+
+    rec.hooks["put_object"] = crash
+    rec.hooks["create_multipart"] = crash
+    with pytest.raises(BaseException) as info:
+        denv.drain(rec=rec, part_size=5 * MiB, concurrency=1)
+    assert any(isinstance(e, Crash) for e in leaves(info.value))
+    assert denv.listing() == [] and denv.open_uploads() == []
+    with denv.meta.read() as txn:
+        inode = txn.get_inode(txn.resolve(rec.events[0][1].encode()))
+        assert inode.state == FileState.UPLOADING  # committed with the intent, before the write
+    assert rec.events[0][1] in denv.tombstones()
+
+    denv.drain(part_size=5 * MiB)
+    assert_object(denv, "run/small.json", small)
+    assert_object(denv, "run/big.bin", big)
+    assert denv.pending() == {} and denv.tombstones() == {} and denv.open_uploads() == []
 
 
 def test_crash_right_after_complete_returns(denv):

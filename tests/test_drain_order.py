@@ -203,3 +203,31 @@ def test_stale_writer_counts_of_a_dead_gateway_do_not_block(denv):
     denv.drain()
     assert denv.object_bytes("left-open.bin") == b"fsynced before the crash"
     denv.core.release(fh)
+
+
+def test_a_long_queue_is_scanned_less_often_and_still_drains_markers_last(denv, monkeypatch):
+    # Scans read every pending inode, so with a long queue the drain scans at most a share of
+    # its time; between scans, freed slots take the files the last scan found ready. Here
+    # scans come every 0.5 s (as after a 50 ms scan), so most files must start between scans,
+    # and the marker, judged only at a scan, must still wait for every shard.
+    from ckptfs.drain import worker
+
+    monkeypatch.setattr(worker.Drain, "_scan_interval", staticmethod(lambda scan_cpu: 0.5), raising=False)
+    shards = [f"ckpt/step_7/shard_{i:02d}" for i in range(24)]
+    for shard in shards:
+        denv.write_file(shard, os.urandom(1000))
+    denv.write_file(MARKER.replace("step_100", "step_7"), b"{}")
+    scans = []
+
+    def count_scans(drain):
+        scan = drain._scan
+        drain._scan = lambda txn: scans.append(1) or scan(txn)
+
+    rec = denv.drain(rec=slow_store(0.05), concurrency=2, setup=count_scans, timeout=30)
+
+    marker = MARKER.replace("step_100", "step_7")
+    for shard in shards:
+        assert landed(rec, shard) < started(rec, marker), f"{marker} was sent before {shard} landed"
+    assert sorted(denv.listing()) == sorted([*shards, marker])
+    assert denv.pending() == {}
+    assert len(scans) < len(shards) / 2, f"{len(scans)} scans for {len(shards)} files: every start waited for a scan"
