@@ -951,6 +951,7 @@ class Drain:
         elif inode.state != FileState.REMOTE:
             durability.mark_needs_upload(txn, inode, self.clock())
         elif replacing is not None:
+            inode.size = replacing.size  # (mode, owner, mtime: the local ones, still to be copied)
             durability.mark_remote_changed(txn, inode, RemoteRecord(
                 record.key, replacing.size, replacing.metadata.get("blake3", ""), 0, replacing.etag))
         else:

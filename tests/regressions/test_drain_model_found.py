@@ -580,6 +580,8 @@ def test_an_evicted_file_whose_object_another_node_replaced_moves_with_the_new_c
     with denv.meta.read() as txn:
         record = txn.get_remote(denv.ino("b/e"))
     assert (record.key, record.blake3) == ("b/e", blake3.blake3(b"another node's a").hexdigest())
+    with denv.meta.read() as txn:
+        assert txn.get_inode(denv.ino("b/e")).size == len(b"another node's a")  # (a read stops at the size)
 
 
 EVICTED_MARKER_ROTATION_HANGS = (
