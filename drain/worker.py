@@ -637,7 +637,8 @@ class Drain:
         rotating names through the marker, ``s0 -> .metadata -> sub/s2 -> s0``), and whose
         content the cache does not hold: neither can go first, so the marker's object is
         parked aside (:meth:`_move_marker_aside`), which deletes it from its old key. None if
-        there is no such marker (a marker the cache holds is uploaded again instead)."""
+        there is no such marker. (A marker the cache holds is not waited for: it is deleted and
+        uploaded again, :meth:`_invalidate_markers`; one it does not hold could not be put back.)"""
         for key in self._leaving_markers_in_the_way(txn, job):
             marker = txn.owner_of_remote_key(key)
             inode = txn.get_inode(marker) if marker is not None else None
