@@ -522,6 +522,9 @@ class Drain:
                 partner = await self._read(self._shape_cycle_partner, job)
                 if partner is not None and not self.cycle_breaks & {job.ino, partner}:
                     await self._break_shape_cycle(job)
+                marker = await self._read(self._leaving_marker_waiting_for, job)
+                if marker is not None:
+                    await self._move_marker_aside(marker)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
             primary = job.keys[0]
@@ -621,6 +624,11 @@ class Drain:
         still in the bucket there and is leaving (moving with its renamed checkpoint, or being
         deleted): it waits until the marker is gone. (Not for a file below the marker's new
         directory: the marker's move waits for that file.)"""
+        return bool(self._leaving_markers_in_the_way(txn, job))
+
+    def _leaving_markers_in_the_way(self, txn: Txn, job: FileJob) -> list[str]:
+        """The keys of the leaving markers :meth:`_replaces_below_leaving_marker` waits for."""
+        out = []
         for key in job.keys:
             if schedule.is_marker(key, self.markers):
                 continue
@@ -629,8 +637,30 @@ class Drain:
             for marker, names in self.leaving_markers.items():
                 if (schedule.below_marker(key, [marker], self.markers)
                         and not schedule.below_marker(key, names, self.markers)):
-                    return True
-        return False
+                    out.append(marker)
+        return out
+
+    def _leaving_marker_waiting_for(self, txn: Txn, job: FileJob) -> int | None:
+        """A marker in the way of ``job`` (:meth:`_leaving_markers_in_the_way`) whose move
+        waits for ``job``'s object (directly or through other files' moves: evicted files
+        rotating names through the marker, ``s0 -> .metadata -> sub/s2 -> s0``), and whose
+        content the cache does not hold: neither can go first, so the marker's object is
+        parked aside (:meth:`_move_marker_aside`), which deletes it from its old key. None if
+        there is no such marker. (A marker the cache holds is not waited for: it is deleted and
+        uploaded again, :meth:`_invalidate_markers`; one it does not hold could not be put back.)"""
+        for key in self._leaving_markers_in_the_way(txn, job):
+            marker = txn.owner_of_remote_key(key)
+            inode = txn.get_inode(marker) if marker is not None else None
+            if inode is None or inode.nlink == 0 or self._cache_holds(inode):
+                continue
+            seen = set()
+            cur = marker
+            while cur is not None and cur not in seen:
+                seen.add(cur)
+                cur = self._blocking_owner(txn, cur, [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)])
+                if cur == job.ino:
+                    return marker
+        return None
 
     @staticmethod
     def _moved_dir_markers(txn: Txn, job: FileJob) -> list[tuple[int, str]]:
