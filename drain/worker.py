@@ -38,7 +38,16 @@ from ckptfs.fsmeta.txn import Txn
 from . import schedule
 from .localio import SourceChangedError
 from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
-from .store import MOVING_PREFIX, NotFoundError, ObjectStore, PartRecord, PutResult, StoreError
+from .store import (
+    MOVING_PREFIX,
+    NotFoundError,
+    ObjectInfo,
+    ObjectStore,
+    PartRecord,
+    PreconditionFailedError,
+    PutResult,
+    StoreError,
+)
 from .upload import (
     Backoff,
     FileDigest,
@@ -523,17 +532,17 @@ class Drain:
             if job.durable_in_bucket:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
-                etag = job.remote.etag
+                etag = source_etag = job.remote.etag
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
                         try:
-                            copied = await self._move_copy(job.remote.key, key, meta)
-                        except NotFoundError:
-                            # The source object vanished (deleted outside ckptfs): upload from the cache.
-                            log.warning("%s: copy source %s is gone; uploading from the cache", key, job.remote.key)
-                            await self._write(self._forget_bucket_copy, job.ino)
+                            copied = await self._move_copy(job.remote.key, key, meta, if_match=source_etag)
+                        except (NotFoundError, PreconditionFailedError) as exc:
+                            await self._copy_source_lost(job, exc)
                             return
                         self.stats.copied_objects += 1
+                        if key == job.remote.key:
+                            source_etag = copied.etag  # (copied onto itself: the next copy's source)
                         if key == primary:
                             # S3 gives a copy of a multipart object a new ETag: reads send If-Match.
                             etag = copied.etag
@@ -911,10 +920,9 @@ class Drain:
             await self._write(lambda txn: durability.begin_bucket_writes(txn, job.ino, [parked]))
             meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, job.remote.blake3, job.rdev)
             try:
-                copied = await self._move_copy(src, parked, meta)
-            except NotFoundError:
-                log.warning("%s: copy source %s is gone", job.keys[0], src)
-                await self._write(self._forget_bucket_copy, job.ino)
+                copied = await self._move_copy(src, parked, meta, if_match=job.remote.etag)
+            except (NotFoundError, PreconditionFailedError) as exc:
+                await self._copy_source_lost(job, exc)
                 return
             record = dataclasses.replace(job.remote, key=parked, etag=copied.etag or "", listed_modified_ns=0)
             if await self._write(durability.moved_aside, job.ino, src, record):
@@ -924,33 +932,60 @@ class Drain:
         finally:
             self.busy_keys.discard(parked)
 
-    async def _move_copy(self, src: str, dst: str, meta: dict) -> PutResult:
+    async def _move_copy(self, src: str, dst: str, meta: dict, *, if_match: str | None = None) -> PutResult:
         """Server-side copy for a rename: keeps the object's storage class and tags.
 
         A plain CopyObject lands in STANDARD, and radosgw drops tags when the
         metadata is replaced, so a tiered checkpoint renamed through the mount
         would silently move back to the hot class.
+
+        ``if_match``: the ETag the file's record holds; an object another node or tool put at
+        ``src`` since is not this file's content (:class:`PreconditionFailedError`), and
+        copying it would stamp this file's blake3 on other bytes.
         """
         info = await self._retry(f"head {src}", lambda: self.store.head(src))
         if info is None:
             raise NotFoundError(f"copy source {src} does not exist", code="NoSuchKey", op="CopyObject", key=src)
+        if_match = if_match or None  # (a record without an ETag: nothing to compare)
         tags = await self._retry(f"get tags {src}", lambda: self.store.get_tags(src))
         storage_class = info.storage_class if info.storage_class not in (None, "STANDARD") else None
-        copied = await self._retry(f"copy {src} -> {dst}",
-                                   lambda: self.store.copy(src, dst, metadata=meta, storage_class=storage_class))
+        copied = await self._retry(f"copy {src} -> {dst}", lambda: self.store.copy(
+            src, dst, metadata=meta, storage_class=storage_class, if_match=if_match))
         if tags:
             await self._retry(f"put tags {dst}", lambda: self.store.put_tags(dst, tags))
         return copied
 
-    def _forget_bucket_copy(self, txn: Txn, ino: int) -> None:
-        """The bucket no longer holds this inode's content: the next round uploads it."""
-        inode = txn.get_inode(ino)
-        if inode is not None and inode.state == FileState.REMOTE:
-            durability.mark_remote_lost(txn, inode)  # the cache never held it: nothing to upload
-        elif inode is not None:
+    async def _copy_source_lost(self, job: FileJob, exc: StoreError) -> None:
+        """The object a copy would start from is no longer this file's content: deleted, or
+        replaced by another node or tool. A file the cache holds is uploaded from the cache
+        (the local content wins, as in a listing); an evicted file takes the replacing object
+        as its content (the cache holds nothing of the old one; a listing would have done the
+        same had it seen the object first), or has no content left."""
+        src = job.remote.key
+        replacing = None
+        if isinstance(exc, PreconditionFailedError):
+            replacing = await self._retry(f"head {src}", lambda: self.store.head(src))
+        log.warning("%s: copy source %s is %s outside ckptfs", job.keys[0], src,
+                    "replaced" if replacing is not None else "gone")
+        await self._write(self._forget_bucket_copy, job, replacing)
+
+    def _forget_bucket_copy(self, txn: Txn, job: FileJob, replacing: ObjectInfo | None = None) -> None:
+        """The object at ``job.remote.key`` is no longer this inode's content (``replacing``:
+        what is there now): see :meth:`_copy_source_lost`."""
+        inode = txn.get_inode(job.ino)
+        record = txn.get_remote(job.ino)
+        if inode is None:
+            txn.delete_remote(job.ino)
+        elif record is None or record.key != job.remote.key or record.etag != job.remote.etag:
+            return  # moved on meanwhile (a listing, a new copy): the next round decides
+        elif inode.state != FileState.REMOTE:
             durability.mark_needs_upload(txn, inode, self.clock())
+        elif replacing is not None:
+            inode.size = replacing.size  # (mode, owner, mtime: the local ones, still to be copied)
+            durability.mark_remote_changed(txn, inode, RemoteRecord(
+                record.key, replacing.size, replacing.metadata.get("blake3", ""), 0, replacing.etag))
         else:
-            txn.delete_remote(ino)
+            durability.mark_remote_lost(txn, inode)  # the cache never held it: nothing to upload
 
     def _drop_if_gone(self, txn: Txn, ino: int) -> None:
         inode = txn.get_inode(ino)

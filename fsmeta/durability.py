@@ -12,6 +12,7 @@ drain both call them, and nothing else assigns ``Inode.state``::
                                     / mark_reupload_keeping_object (a rename cycle)
   REMOTE ──mark_cached_clean──> CACHED_CLEAN ──mark_evicted──> REMOTE      (the read path)
   (listing) ──mark_remote──> REMOTE;  REMOTE|CACHED_CLEAN|DURABLE ──mark_remote_changed──> REMOTE
+                                      (the drain too, for a REMOTE file whose copy source was replaced)
   REMOTE ──mark_remote_lost──> (same, error RemoteObjectGone: its object vanished before a move)
   any state ──mark_error──> (same state, plus a visible permanent error until the next success)
   REMOTE ──mark_remote_corrupt──> (same, error RemoteHashMismatch: fetched content failed its blake3)
@@ -207,8 +208,10 @@ def mark_remote_lost(txn: Txn, inode: Inode) -> None:
 
 
 def mark_remote_changed(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
-    """Another node replaced the object of a settled file (REMOTE, CACHED_CLEAN or DURABLE):
-    a new generation, REMOTE again (the caller drops any cache file)."""
+    """Another node replaced the object of a settled file (REMOTE, CACHED_CLEAN or DURABLE), or
+    of a REMOTE file whose rename or chmod the drain was about to copy (the cache holds nothing
+    of the old content; its pending record stays): a new generation, REMOTE again (the caller
+    drops any cache file)."""
     inode.generation += 1
     record.generation = inode.generation
     mark_remote(txn, inode, record)

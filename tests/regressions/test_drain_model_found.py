@@ -11,6 +11,7 @@ import os
 import stat
 import sys
 
+import blake3
 import pytest
 import trio
 
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
 
 from ckptfs.drain.store import MOVING_PREFIX, StoreError  # noqa: E402
+from ckptfs.drain.worker import object_metadata
 from ckptfs.fsmeta import ROOT_INO
 from ckptfs.gateway.core import RENAME_EXCHANGE, SetattrRequest  # noqa: E402
 from ckptfs.gateway.space import SpaceLimits
@@ -529,6 +531,60 @@ def test_a_directory_of_single_link_files_renamed_twice_deletes_only_its_objects
     rec = denv.drain(timeout=5)
     assert sorted(denv.listing()) == ["ck2/.metadata", "ck2/s0"]
     assert not [k for k in rec.deleted_keys() if k.startswith("ck1/") and not k.endswith("/")]
+
+
+def another_node_puts(env, key: str, data: bytes, *, with_hash: bool) -> None:
+    """Another node's drain (its metadata and blake3) or another tool (none) writes ``key``."""
+    metadata = object_metadata(stat.S_IFREG | 0o640, 1234, 5678, 1, blake3=blake3.blake3(data).hexdigest()
+                               ) if with_hash else {}
+
+    async def run():
+        async with env.store() as st:
+            await st.put_object(key, data, metadata)
+
+    trio.run(run)
+
+
+def objects_whose_hash_lies(env) -> list[str]:
+    """Keys whose ``blake3`` metadata is not the hash of their bytes (reads of them fail)."""
+    return [k for k in env.listing() if not k.endswith("/") and env.head(k).metadata.get("blake3")
+            not in (None, blake3.blake3(env.object_bytes(k)).hexdigest())]
+
+
+def test_a_chmod_after_another_node_replaced_the_object_uploads_the_local_content_again(denv):  # noqa: F811
+    """Found by the drain model (seed 13, 60 x 120; shrunk from 121 steps to 5). The drain
+    applied the chmod as a copy of the object onto itself, whatever the object then was: the
+    bucket kept the other node's bytes under the local file's hash, the local file's were lost."""
+    denv.write_file("c/d", b"local checkpoint")
+    denv.drain()
+    another_node_puts(denv, "c/d", b"another node's bytes", with_hash=False)  # not listed here yet
+    denv.core.setattr(denv.ino("c/d"), SetattrRequest(mode=0o600))
+    denv.drain(timeout=5)
+    assert denv.object_bytes("c/d") == b"local checkpoint"
+    assert objects_whose_hash_lies(denv) == []
+    assert denv.head("c/d").metadata["mode"] == str(stat.S_IFREG | 0o600)
+
+
+def test_an_evicted_file_whose_object_another_node_replaced_moves_with_the_new_content(denv):  # noqa: F811
+    """Found by the drain model (seed 13, 60 x 120; shrunk from 54 steps to 5). The cache holds
+    nothing of an evicted file: another node's new object at its key is its content now (as a
+    listing would have made it), and a rename moves that one. The drain copied the new object
+    under the old content's blake3, so every read of it failed its hash check."""
+    denv.write_file("a/e", b"a first")
+    denv.write_file("b/e", b"b first")
+    denv.drain()
+    denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    assert denv.core.evict(denv.ino("a/e")) and denv.core.evict(denv.ino("b/e"))
+    another_node_puts(denv, "a/e", b"another node's a", with_hash=True)
+    denv.rename("a/e", "b/e", RENAME_EXCHANGE)
+    denv.drain(timeout=5)
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {"a/e": b"b first", "b/e": b"another node's a"}
+    assert objects_whose_hash_lies(denv) == []
+    with denv.meta.read() as txn:
+        record = txn.get_remote(denv.ino("b/e"))
+    assert (record.key, record.blake3) == ("b/e", blake3.blake3(b"another node's a").hexdigest())
+    with denv.meta.read() as txn:
+        assert txn.get_inode(denv.ino("b/e")).size == len(b"another node's a")  # (a read stops at the size)
 
 
 def evicted_rotation_through_the_marker(env, evicted=("s0", "sub/s2", ".metadata")) -> dict[str, bytes]:
