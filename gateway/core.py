@@ -293,8 +293,7 @@ class FsCore:
     def count_lookups_nowait(self, inos: list[int]) -> None:
         """:meth:`count_lookups` for the trio loop, or WouldBlock (nothing counted)."""
         with self._state_lock_nowait():
-            for ino in inos:
-                self._lookups.count(ino)
+            self.count_lookups(inos)  # (the lock is reentrant)
 
     def forget(self, items: list[tuple[int, int]]) -> None:
         self._lookups.forget(items)

@@ -170,7 +170,7 @@ def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
     """CI, test_mount_stress (passthrough): one EBADF among 17,000 operations. FsCore.setattr
     took the open file from ``open_files`` and used its fd after dropping the state lock; the
     last handle's release, in another worker thread, closed that fd in between (and a reused
-    number could have named another file). The open file is pinned now (OpenFiles.pinned)."""
+    number could have named another file). The open file is pinned now (OpenFiles.pinned_or_claimed)."""
     backing_ids = _passthrough(core)
     fh, attr = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
     with open(core._data_path(attr.ino), "r+b") as kernel_write:  # a passthrough WRITE
