@@ -553,8 +553,17 @@ class Drain:
                     return  # generation moved during the upload: requeued
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
                 for key in job.keys[1:]:
-                    await self._retry(f"copy {primary} -> {key}",
-                                      lambda key=key: self.store.copy(primary, key, metadata=meta))
+                    try:
+                        await self._retry(f"copy {primary} -> {key}", lambda key=key: self.store.copy(
+                            primary, key, metadata=meta, if_match=etag))
+                    except (NotFoundError, PreconditionFailedError):
+                        # Another node or tool wrote the first key meanwhile: copying its bytes
+                        # under this file's blake3 would fail every read. The cache holds the
+                        # file: upload it again (the local content wins, as in a listing).
+                        log.warning("%s: replaced or deleted outside ckptfs right after its upload; "
+                                    "uploading it again", primary)
+                        self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                        return
                 self.stats.uploaded_files += 1
                 self.stats.uploaded_bytes += size
                 self.stats.upload_seconds += time.monotonic() - started

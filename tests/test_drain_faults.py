@@ -222,6 +222,27 @@ def test_metadata_changed_after_a_crash_is_not_stamped_on_another_nodes_object(d
         "this file's metadata was copied onto the other node's object"
 
 
+def test_a_second_link_is_never_copied_from_another_nodes_object(denv):
+    """A file with two names is uploaded to its first key and copied to the second. If
+    another node overwrites the first key in between, the copy must not take its bytes under
+    this file's blake3: the file is uploaded again from the cache (local content wins)."""
+    from ckptfs.fsmeta import ROOT_INO
+
+    data, theirs = os.urandom(3 * MiB), os.urandom(MiB)
+    ino = denv.write_file("a.bin", data)
+    denv.core.link(ino, ROOT_INO, b"b.bin")
+    rec = RecStore(None)
+
+    async def another_node_overwrites(key, extra):
+        if len(rec.calls("copy")) == 1:
+            await rec._inner.put_object("a.bin", theirs, {"blake3": blake3.blake3(theirs).hexdigest()})
+
+    rec.hooks["copy"] = another_node_overwrites
+    denv.drain(rec=rec)
+    for key in ("a.bin", "b.bin"):
+        assert_object(denv, key, data)
+
+
 def test_crash_after_the_intent_commit_before_any_bucket_write_uploads_again(denv):
     # _begin_writes commits the keys' intents and the state UPLOADING together; a drain killed
     # right after that commit (here: as its first PUT or CreateMultipartUpload starts) has
