@@ -553,8 +553,17 @@ class Drain:
                     return  # generation moved during the upload: requeued
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
                 for key in job.keys[1:]:
-                    await self._retry(f"copy {primary} -> {key}",
-                                      lambda key=key: self.store.copy(primary, key, metadata=meta))
+                    try:
+                        await self._retry(f"copy {primary} -> {key}", lambda key=key: self.store.copy(
+                            primary, key, metadata=meta, if_match=etag))
+                    except (NotFoundError, PreconditionFailedError):
+                        # Another node or tool wrote the first key meanwhile: copying its bytes
+                        # under this file's blake3 would fail every read. The cache holds the
+                        # file: upload it again (the local content wins, as in a listing).
+                        log.warning("%s: replaced or deleted outside ckptfs right after its upload; "
+                                    "uploading it again", primary)
+                        self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
+                        return
                 self.stats.uploaded_files += 1
                 self.stats.uploaded_bytes += size
                 self.stats.upload_seconds += time.monotonic() - started
@@ -1081,12 +1090,23 @@ class Drain:
     async def _metadata_since_created(self, key: str, meta: dict, etag: str, blake3: str) -> str:
         """A multipart upload resumed after a crash carries the metadata of its
         CreateMultipartUpload: a chmod, chown or utimes since then is copied onto the object
-        (in place, as for new metadata). Returns the object's ETag."""
+        (in place, as for new metadata), while the object is still the one uploaded (ETag
+        ``etag``). Returns the ETag to record.
+
+        An object deleted or replaced by another node or tool since the upload completed is
+        left alone, and the upload's ETag recorded: this file's metadata and blake3 copied
+        onto other bytes would fail every later read's integrity check. A bucket listing then
+        sees the change as it sees any other node's later write."""
         info = await self._retry(f"head {key}", lambda: self.store.head(key))
-        if info is None or all(info.metadata.get(k) == v for k, v in meta.items()):
+        if info is None or info.etag != etag or all(info.metadata.get(k) == v for k, v in meta.items()):
             return etag
         log.info("%s: its metadata changed since its upload was created; copying it in place", key)
-        copied = await self._move_copy(key, key, {**meta, "blake3": blake3} if blake3 else meta)
+        try:
+            copied = await self._move_copy(key, key, {**meta, "blake3": blake3} if blake3 else meta, if_match=etag)
+        except (NotFoundError, PreconditionFailedError):
+            log.warning("%s: replaced or deleted outside ckptfs right after its upload; its new "
+                        "metadata is not copied onto that object", key)
+            return etag
         return copied.etag
 
     async def _abort_quietly(self, key: str, upload_id: str) -> None:

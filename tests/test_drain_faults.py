@@ -160,24 +160,24 @@ def test_killed_drain_process_resumes(denv, tmp_path):
     assert denv.open_uploads() == []
 
 
+def crash_before_the_first_file_commit(drain) -> None:
+    """A drain ``setup``: the drain dies as it would commit its first uploaded file."""
+    original = drain._commit_file
+
+    def commit_then_crash(txn, job, record):
+        if not getattr(drain, "crashed", False):
+            drain.crashed = True
+            raise Crash("killed before the fsmeta commit")
+        return original(txn, job, record)
+
+    drain._commit_file = commit_then_crash
+
+
 def test_crash_between_complete_and_commit_is_recognised(denv):
     data = os.urandom(11 * MiB)
     denv.write_file("w.bin", data)
-    crashed = []
-
-    def setup(d):
-        original = d._commit_file
-
-        def commit_then_crash(txn, job, record):
-            if not crashed:
-                crashed.append(job.ino)
-                raise Crash("killed before the fsmeta commit")
-            return original(txn, job, record)
-
-        d._commit_file = commit_then_crash
-
     with pytest.raises(BaseException) as info:
-        denv.drain(setup=setup, part_size=5 * MiB)
+        denv.drain(setup=crash_before_the_first_file_commit, part_size=5 * MiB)
     assert any(isinstance(e, Crash) for e in leaves(info.value))
     assert denv.listing() == ["w.bin"]  # the object is complete in the bucket
     record = denv.upload_record("w.bin")
@@ -189,6 +189,58 @@ def test_crash_between_complete_and_commit_is_recognised(denv):
     assert "w.bin" in rec.calls("head")
     assert_object(denv, "w.bin", data)
     assert denv.upload_record("w.bin") is None and denv.pending() == {}
+
+
+@pytest.mark.parametrize("when", [2, 3], ids=["before-the-check", "between-check-and-copy"])
+def test_metadata_changed_after_a_crash_is_not_stamped_on_another_nodes_object(denv, when):
+    """After a crash between CompleteMultipartUpload and the fsmeta commit, a chmod made
+    since the upload was created is copied onto the object in place. If another node
+    overwrote the object meanwhile, that copy would put this file's blake3 and mode on the
+    other node's bytes: every later read of it would fail its integrity check."""
+    from ckptfs.gateway.core import SetattrRequest
+
+    data, theirs = os.urandom(11 * MiB), os.urandom(3 * MiB)
+    denv.write_file("w.bin", data, mode=0o644)
+    with pytest.raises(BaseException):
+        denv.drain(setup=crash_before_the_first_file_commit, part_size=5 * MiB)
+    assert denv.upload_record("w.bin").phase == int(UploadPhase.COMPLETING)
+    denv.core.setattr(denv.ino("w.bin"), SetattrRequest(mode=0o600))
+
+    rec = RecStore(None)
+    their_meta = {"blake3": blake3.blake3(theirs).hexdigest(), "mode": "0100640"}
+
+    async def another_node_overwrites(key, extra):
+        # after the HEAD that finds our completed upload: before the HEAD that compares
+        # the metadata, or before the copy's own HEAD (the copy then needs If-Match)
+        if key == "w.bin" and len(rec.calls("head")) == when:
+            await rec._inner.put_object("w.bin", theirs, their_meta)
+
+    rec.hooks["head"] = another_node_overwrites
+    denv.drain(rec=rec, part_size=5 * MiB)
+    assert denv.object_bytes("w.bin") == theirs
+    assert denv.head("w.bin").metadata["blake3"] == their_meta["blake3"], \
+        "this file's metadata was copied onto the other node's object"
+
+
+def test_a_second_link_is_never_copied_from_another_nodes_object(denv):
+    """A file with two names is uploaded to its first key and copied to the second. If
+    another node overwrites the first key in between, the copy must not take its bytes under
+    this file's blake3: the file is uploaded again from the cache (local content wins)."""
+    from ckptfs.fsmeta import ROOT_INO
+
+    data, theirs = os.urandom(3 * MiB), os.urandom(MiB)
+    ino = denv.write_file("a.bin", data)
+    denv.core.link(ino, ROOT_INO, b"b.bin")
+    rec = RecStore(None)
+
+    async def another_node_overwrites(key, extra):
+        if len(rec.calls("copy")) == 1:
+            await rec._inner.put_object("a.bin", theirs, {"blake3": blake3.blake3(theirs).hexdigest()})
+
+    rec.hooks["copy"] = another_node_overwrites
+    denv.drain(rec=rec)
+    for key in ("a.bin", "b.bin"):
+        assert_object(denv, key, data)
 
 
 def test_crash_after_the_intent_commit_before_any_bucket_write_uploads_again(denv):
