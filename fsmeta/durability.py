@@ -14,6 +14,7 @@ drain both call them, and nothing else assigns ``Inode.state``::
   (listing) ──mark_remote──> REMOTE;  REMOTE|CACHED_CLEAN|DURABLE ──mark_remote_changed──> REMOTE
                                       (the drain too, for a REMOTE file whose copy source was replaced)
   REMOTE ──mark_remote_lost──> (same, error RemoteObjectGone: its object vanished before a move)
+  REMOTE + RemoteObjectGone ──mark_remote_changed──> REMOTE (a listing found an object at its name)
   any state ──mark_error──> (same state, plus a visible permanent error until the next success)
   REMOTE ──mark_remote_corrupt──> (same, error RemoteHashMismatch: fetched content failed its blake3)
   DIRTY ──mark_cache_lost──> (same, error CacheFileShort/CacheFileMissing: never uploaded until rewritten)
@@ -210,8 +211,11 @@ def mark_remote_lost(txn: Txn, inode: Inode) -> None:
 def mark_remote_changed(txn: Txn, inode: Inode, record: RemoteRecord) -> None:
     """Another node replaced the object of a settled file (REMOTE, CACHED_CLEAN or DURABLE), or
     of a REMOTE file whose rename or chmod the drain was about to copy (the cache holds nothing
-    of the old content; its pending record stays): a new generation, REMOTE again (the caller
+    of the old content; its pending record stays), or put an object at the name of a file whose
+    content was lost (RemoteObjectGone: cleared): a new generation, REMOTE again (the caller
     drops any cache file)."""
+    if txn.get_error(inode.ino) == REMOTE_OBJECT_GONE:
+        txn.clear_error(inode.ino)
     inode.generation += 1
     record.generation = inode.generation
     mark_remote(txn, inode, record)

@@ -361,6 +361,14 @@ class RemoteNames:
                 continue
             inode = txn.get_inode(local)
             record = txn.get_remote(local)
+            if (record is None and inode is not None and not inode.is_dir
+                    and txn.get_error(local) == durability.REMOTE_OBJECT_GONE
+                    and self._settled(txn, local, inode) and entries_key(txn, dir_ino, name, False) == entry.key):
+                # Its content is nowhere (another node deleted its object before this node's
+                # move of it was in the bucket): the object another node put at its name since
+                # is its content now, as for any object replaced elsewhere.
+                plan.changed.append((local, entry))
+                continue
             if (inode is None or inode.is_dir or record is None or record.key != entry.key
                     or not self._settled(txn, local, inode)):
                 continue  # a local directory, or a file not durable yet: the local one wins

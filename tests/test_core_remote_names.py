@@ -474,6 +474,32 @@ def test_a_remote_file_whose_object_vanished_before_its_move_shows_an_error(node
     assert node.problems() == []
 
 
+def test_a_file_whose_object_vanished_takes_the_object_another_node_put_at_its_name(node):
+    """Found by the drain model (seed 13, 60 x 120; shrunk from 121 steps). A file whose
+    content is nowhere (RemoteObjectGone) kept its name against another node's object at
+    that key: the other node's checkpoint never showed here, and an unlink here would have
+    deleted it from the bucket."""
+    node.put("ckpt/a", b"aaa")
+    parent = node.walk("ckpt").ino
+    node.walk("ckpt/a")
+    node.core.rename(parent, b"a", parent, b"b")
+    node.delete("ckpt/a")  # deleted by another node before the drain copied it
+    node.drain()
+    ino = node.walk("ckpt/b").ino
+    assert node.core.getxattr(ino, b"user.ckptfs.state") == b"error: RemoteObjectGone"
+    node.put("ckpt/b", b"another node's b", object_metadata(stat.S_IFREG | 0o640, 2, 2, MTIME))
+    node.advance()
+    attr = node.walk("ckpt/b")
+    assert (attr.ino, attr.size, attr.mode, attr.uid) == (ino, 16, stat.S_IFREG | 0o640, 2)
+    assert node.core.getxattr(ino, b"user.ckptfs.state") == b"remote"
+    fh = node.core.open(ino, os.O_RDONLY)
+    try:
+        assert node.core.read(fh, 0, 100) == b"another node's b"
+    finally:
+        node.core.release(fh)
+    assert node.problems() == []
+
+
 def test_new_metadata_on_the_same_content_keeps_the_cache(node):
     # Another node's chmod reaches the bucket as a copy with new metadata (and a new
     # LastModified, maybe a new etag): the content, the cache file and the generation stay.
