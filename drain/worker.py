@@ -652,24 +652,56 @@ class Drain:
     def _leaving_marker_waiting_for(self, txn: Txn, job: FileJob) -> int | None:
         """A marker in the way of ``job`` (:meth:`_leaving_markers_in_the_way`) whose move
         waits for ``job``'s object (directly or through other files' moves: evicted files
-        rotating names through the marker, ``s0 -> .metadata -> sub/s2 -> s0``), and whose
-        content the cache does not hold: neither can go first, so the marker's object is
-        parked aside (:meth:`_move_marker_aside`), which deletes it from its old key. None if
-        there is no such marker. (A marker the cache holds is not waited for: it is deleted and
-        uploaded again, :meth:`_invalidate_markers`; one it does not hold could not be put back.)"""
+        rotating names through the marker, ``s0 -> .metadata -> sub/s2 -> s0``), or for a file
+        below its new directory that waits for ``job`` (two checkpoints exchanged, a shard
+        written again: :meth:`_waits_of`), and whose content the cache does not hold: neither
+        can go first, so the marker's object is parked aside (:meth:`_move_marker_aside`),
+        which deletes it from its old key. None if there is no such marker. (A marker the cache
+        holds is not waited for: it is deleted and uploaded again, :meth:`_invalidate_markers`;
+        one it does not hold could not be put back.)"""
+        pending_files: list[tuple[int, list[str]]] | None = None
         for key in self._leaving_markers_in_the_way(txn, job):
             marker = txn.owner_of_remote_key(key)
             inode = txn.get_inode(marker) if marker is not None else None
             if inode is None or inode.nlink == 0 or self._cache_holds(inode):
                 continue
-            seen = set()
-            cur = marker
-            while cur is not None and cur not in seen:
-                seen.add(cur)
-                cur = self._blocking_owner(txn, cur, [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)])
-                if cur == job.ino:
-                    return marker
+            if pending_files is None:
+                pending_files = self._pending_file_paths(txn)
+            seen = {marker}
+            todo = [marker]
+            while todo:
+                for nxt in self._waits_of(txn, todo.pop(), pending_files):
+                    if nxt == job.ino:
+                        return marker
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
         return None
+
+    @staticmethod
+    def _pending_file_paths(txn: Txn) -> list[tuple[int, list[str]]]:
+        """(inode, its paths) of every pending file that is not a directory."""
+        out = []
+        for ino, _ in txn.iter_pending():
+            inode = txn.get_inode(ino)
+            if inode is not None and inode.nlink > 0 and not inode.is_dir:
+                out.append((ino, [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]))
+        return out
+
+    def _waits_of(self, txn: Txn, ino: int, pending_files: list[tuple[int, list[str]]]) -> list[int]:
+        """The inodes whose bucket writes the write of ``ino`` waits for: the owner of an
+        object at one of its keys (:meth:`_blocking_owner`) and, for a marker, the pending
+        files below its directory (:func:`schedule.marker_waits_for`)."""
+        keys = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
+        out = []
+        owner = self._blocking_owner(txn, ino, keys)
+        if owner is not None:
+            out.append(owner)
+        for key in keys:
+            if schedule.is_marker(key, self.markers):
+                out.extend(other for other, paths in pending_files if other != ino
+                           and any(schedule.marker_waits_for(key, p, self.markers) for p in paths))
+        return out
 
     @staticmethod
     def _moved_dir_markers(txn: Txn, job: FileJob) -> list[tuple[int, str]]:

@@ -642,3 +642,32 @@ def test_a_drain_crash_while_it_parks_a_rotated_marker_object_loses_nothing(denv
     assert seen == []
     assert {k: denv.object_bytes(k) for k in denv.listing()} == expected
     assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
+
+
+def test_an_exchanged_checkpoint_whose_evicted_marker_waits_for_a_rewritten_shard_drains(denv):  # noqa: F811
+    """Found by the drain model (seed 53, 60 x 120; shrunk by hand). After ``ck0`` and ``ck2``
+    are exchanged, ``ck0/s0`` (ck2's old shard) is copied onto the key that ck0's old shard's
+    object holds, so it waits for ck0's old marker object to leave; that marker (evicted: the
+    cache cannot put it back) moves to ``ck2/.metadata`` only after the shards below ``ck2``;
+    and ``ck2/s0``, written again, is uploaded onto the key ck2's old shard's object still
+    holds, so it waits for that shard's copy. None could go first: the drain never emptied.
+    The marker's object is parked aside, and the reader's rule holds throughout."""
+    for path, data in (("ck0/s0", b"ck0 shard"), ("ck0/.metadata", b"ck0 save"), ("ck2/s0", b"ck2 shard")):
+        denv.write_file(path, data)
+    denv.drain()
+    denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    assert denv.core.evict(denv.ino("ck0/.metadata"))
+    denv.rename("ck0", "ck2", RENAME_EXCHANGE)
+    denv.write_file("ck2/s0", b"ck0 shard, saved again")
+    seen, check = marker_checker(denv, "ck2", {b"ck0 save": {"s0": b"ck0 shard, saved again"}})
+    seen0, check0 = marker_checker(denv, "ck0", {b"ck0 save": {"s0": b"ck0 shard"}})
+
+    async def both(key, extra, result):
+        await check(key, extra, result)
+        await check0(key, extra, result)
+
+    denv.drain(rec=recording(denv, both), timeout=10)
+    assert seen == [] and seen0 == []
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "ck0/s0": b"ck2 shard", "ck2/s0": b"ck0 shard, saved again", "ck2/.metadata": b"ck0 save"}
+    assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
