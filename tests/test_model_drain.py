@@ -18,6 +18,13 @@ tests/regressions/ (``xfail(strict=True)`` until its defect is fixed).
 Raise CKPTFS_DRAIN_MODEL_EXAMPLES (and set CKPTFS_DRAIN_MODEL_RANDOM=1, and pass --hypothesis-seed=N
 and --timeout=0) for a longer hunt: pytest-timeout stopping a hunt inside a step cuts a save off
 halfway, and the marker check then reports the torn save the namespace itself holds.
+
+A failure that depends on how the drain's concurrent tasks interleave may not come back when
+Hypothesis replays it: it then reports the example as flaky and prints no steps. With
+``CKPTFS_DRAIN_MODEL_TRACE=DIR``, each rule call is recorded, and the calls of an example whose
+rule or teardown raises are written to ``DIR/<n>-<exception>.steps``, one call a line;
+``python tests/test_model_drain.py replay FILE`` runs such a file again (invariants after each
+step, then the teardown), as often as it takes to hit the interleaving.
 """
 
 from __future__ import annotations
@@ -25,8 +32,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import os
+import pathlib
 import stat
+import sys
+import tempfile
 import time
 
 import blake3
@@ -35,7 +46,15 @@ import trio
 from conftest import RENAME_EXCHANGE, RENAME_NOREPLACE
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    INVARIANT_MARKER,
+    RULE_MARKER,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from test_drain_support import USER, Crash, DrainEnv, MiB, RecStore
 
 from ckptfs.drain import upload, worker
@@ -170,6 +189,7 @@ class DrainModel(RuleBasedStateMachine):
         self.next_save = 1
         self.crash_count = 0  # drain runs that ended in a Crash
         self.violation: str | None = None  # seen by a check while the drain ran
+        self.trace: list[str] = []  # this example's rule calls (CKPTFS_DRAIN_MODEL_TRACE)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -860,20 +880,88 @@ class _Bases:
 
 _BASE = _Bases()
 
+# -- tracing a hunt, and replaying what it found (see the module docstring) ----------------------
 
-@pytest.fixture
-def fast_drain(monkeypatch):
+TRACE_DIR = os.environ.get("CKPTFS_DRAIN_MODEL_TRACE")
+_TRACE_FILES = itertools.count(1)
+
+
+def _compact(value) -> str:
+    """``repr`` that writes a run of one byte as ``bytes([b]) * n`` (the BIG files)."""
+    if isinstance(value, bytes) and len(value) > 16 and len(set(value)) == 1:
+        n = len(value)
+        return f"bytes([{value[0]}]) * ({f'PART + {n - PART}' if n > PART else n})"
+    if isinstance(value, list):
+        return "[" + ", ".join(_compact(v) for v in value) + "]"
+    return repr(value)
+
+
+def _keep_trace(machine: DrainModel, exc: BaseException) -> None:
+    path = pathlib.Path(TRACE_DIR) / f"{next(_TRACE_FILES)}-{type(exc).__name__}.steps"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in machine.trace))
+
+
+def _traced(name: str, fn):
+    def call(self, **kwargs):
+        self.trace.append(f"{name}({', '.join(f'{k}={_compact(v)}' for k, v in kwargs.items())})")
+        try:
+            return fn(self, **kwargs)
+        except BaseException as exc:
+            _keep_trace(self, exc)
+            raise
+    return call
+
+
+if TRACE_DIR:
+    for _name, _method in list(vars(DrainModel).items()):
+        if (_rule := getattr(_method, RULE_MARKER, None)) is not None:
+            _rule.function = _traced(_name, _rule.function)
+    DrainModel.teardown = _traced("teardown", DrainModel.teardown)
+
+
+def replay(steps_file: str) -> None:
+    """Run the rule calls of ``steps_file`` (a trace) on a fresh model, the invariants after
+    each, then the teardown (unless the trace ends in it): raises what the failing step raises."""
+    invariants = [getattr(DrainModel, name) for name, method in vars(DrainModel).items()
+                  if getattr(method, INVARIANT_MARKER, None) is not None]
+    lines = [line for line in pathlib.Path(steps_file).read_text().splitlines() if line.strip()]
+    with fast_drain_settings(), tempfile.TemporaryDirectory(prefix="ckptfs-replay-") as tmp:
+        _BASE.root = pathlib.Path(tmp)
+        machine = DrainModel()
+        for number, line in enumerate(lines, 1):
+            name, args = line.split("(", 1)
+            print(f"step {number}: {line[:160]}", flush=True)
+            getattr(machine, name)(**eval("dict(" + args, {"PART": PART}))  # (a trace this module wrote)
+            if name == "teardown":
+                return
+            for check in invariants:
+                check(machine)
+        machine.teardown()
+
+
+
+@contextlib.contextmanager
+def fast_drain_settings():
     """Retries and polls in milliseconds: the test exercises order, not patience."""
-    monkeypatch.setattr(worker, "POLL_SECONDS", 0.002)
-    monkeypatch.setattr(worker, "PERMANENT_RETRY_FIRST", 0.005)
-    monkeypatch.setattr(worker, "PERMANENT_RETRY_SECONDS", 0.02)
+    saved = (worker.POLL_SECONDS, worker.PERMANENT_RETRY_FIRST, worker.PERMANENT_RETRY_SECONDS)
+    worker.POLL_SECONDS, worker.PERMANENT_RETRY_FIRST, worker.PERMANENT_RETRY_SECONDS = 0.002, 0.005, 0.02
     backoff = upload.RETRY_BACKOFF
     old = (backoff.base, backoff.cap)
     object.__setattr__(backoff, "base", 0.001)  # the default argument of retry_forever
     object.__setattr__(backoff, "cap", 0.01)
-    yield
-    object.__setattr__(backoff, "base", old[0])
-    object.__setattr__(backoff, "cap", old[1])
+    try:
+        yield
+    finally:
+        object.__setattr__(backoff, "base", old[0])
+        object.__setattr__(backoff, "cap", old[1])
+        worker.POLL_SECONDS, worker.PERMANENT_RETRY_FIRST, worker.PERMANENT_RETRY_SECONDS = saved
+
+
+@pytest.fixture
+def fast_drain():
+    with fast_drain_settings():
+        yield
 
 
 def test_drain_model(tmp_path, fast_drain):
@@ -888,3 +976,8 @@ def test_drain_model(tmp_path, fast_drain):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     ))
     print("read-path events:", dict(sorted(EVENTS.items())))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["replay"] and len(sys.argv) == 3:
+    replay(sys.argv[2])
+    print("replayed without a failure")
