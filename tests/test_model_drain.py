@@ -573,6 +573,10 @@ class DrainModel(RuleBasedStateMachine):
         keys = self.env.listing()
         if any(k.startswith(path + "/") or path.startswith(k.rstrip("/") + "/") for k in keys):
             return
+        if any(k == directory or k.startswith(directory + "/") for k in self.env.tombstones()):
+            # A local delete not drained yet shadows that directory (rmdir a: "a/" is still
+            # to delete): the new name would not show, and a local file could take the name.
+            return
         metadata = object_metadata(FOREIGN["mode"], FOREIGN["uid"], FOREIGN["gid"], time.time_ns(),
                                    blake3=h(data)) if with_metadata else {}
         new = self.bucket_client.head(path) is None
