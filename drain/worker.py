@@ -486,6 +486,8 @@ class Drain:
         if job is None or not job.keys:
             await self._write(lambda txn: self._drop_if_gone(txn, cand.ino))
             return
+        if job.remote is None and await self._write(self._take_off_if_lost, job.ino):
+            return
         if any(k in self.deleting_keys or k in self.busy_keys for k in job.keys):
             return  # a delete of, or another write to, this name is in flight; next round
         if job.held_open:
@@ -1027,6 +1029,19 @@ class Drain:
                 record.key, replacing.size, replacing.metadata.get("blake3", ""), 0, replacing.etag))
         else:
             durability.mark_remote_lost(txn, inode)  # the cache never held it: nothing to upload
+
+    @staticmethod
+    def _take_off_if_lost(txn: Txn, ino: int) -> bool:
+        """A file whose content was lost (its object went before a move) and that was queued
+        again since (renamed, chmod'ed): nothing to copy or upload, so off the queue again,
+        its error kept. (Otherwise the drain would look for its cache file for ever.)"""
+        inode = txn.get_inode(ino)
+        if inode is None or not durability.is_remote_lost(txn, inode):
+            return False
+        log.warning("%s: its content was lost (its object went outside ckptfs); nothing to move",
+                    (txn.path_of(ino) or b"?").decode("utf-8", "surrogateescape"))
+        durability.mark_remote_lost(txn, inode)
+        return True
 
     def _drop_if_gone(self, txn: Txn, ino: int) -> None:
         inode = txn.get_inode(ino)

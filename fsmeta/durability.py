@@ -202,10 +202,18 @@ REMOTE_OBJECT_GONE = "RemoteObjectGone"
 def mark_remote_lost(txn: Txn, inode: Inode) -> None:
     """A REMOTE file's object vanished from the bucket before the drain could copy it to a new
     name (deleted outside ckptfs): its content is nowhere. Off the queue, with a visible
-    permanent error (uploading it from the cache is impossible: the cache never held it)."""
+    permanent error (uploading it from the cache is impossible: the cache never held it).
+    Queued again later (renamed, chmod'ed): the drain takes it off again (:func:`is_remote_lost`)."""
     txn.delete_remote(inode.ino)
     txn.clear_pending(inode.ino)
     txn.set_error(inode.ino, REMOTE_OBJECT_GONE)
+
+
+def is_remote_lost(txn: Txn, inode: Inode) -> bool:
+    """A regular file whose content is nowhere: REMOTE (the cache holds none of it) with no
+    object recorded (:func:`mark_remote_lost`). Nothing can be moved or uploaded for it until
+    it is written again, removed, or a listing finds an object at its name."""
+    return inode.is_reg and inode.state == FileState.REMOTE and txn.get_remote(inode.ino) is None
 
 
 def mark_remote_changed(txn: Txn, inode: Inode, record: RemoteRecord) -> None:

@@ -500,6 +500,10 @@ class DrainModel(RuleBasedStateMachine):
             inode = txn.get_inode(ino)
             record = txn.get_remote(ino)
         if inode.state == FileState.REMOTE:
+            if record is None:
+                # Its object went before the drain could move it (RemoteObjectGone): nothing
+                # holds its content any more.
+                return None, None
             obj = self.bucket_object(record.key)
             if obj is None or obj[1] != record.etag:
                 return None, record.key
@@ -528,6 +532,9 @@ class DrainModel(RuleBasedStateMachine):
             assert expected is None and exc.errno in (errno.ESTALE, errno.EIO), f"read {path}: {exc}"
             event(f"read of an object changed since its listing: {errno.errorcode[exc.errno]}")
             return None
+        with self.env.meta.read() as txn:
+            lost = txn.get_inode(ino).state == FileState.REMOTE and txn.get_remote(ino) is None
+        assert not lost, f"read {path}: its content is lost, yet the read returned {len(got)} bytes"
         event("read of a remote file" if key is not None else "read of a cached file")
         if expected is not None:
             want = expected[offset:] if size is None else expected[offset:offset + size]
