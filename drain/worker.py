@@ -585,13 +585,16 @@ class Drain:
         return (self._replaces_below_leaving_marker(txn, job)
                 or any(durability.key_shape_in_flux(txn, k) for k in job.keys))
 
-    @staticmethod
-    def _shape_cycle_partner(txn: Txn, job: FileJob) -> int | None:
-        """An inode whose object of the other shape ``job`` waits for (directly or through
-        other such waits) and which waits, the same way, for ``job``'s own object to leave: a
-        file exchanged with a directory that holds files (``d/b``'s move to ``a/b`` waits for
-        the file object ``a``, whose move to ``d`` waits for ``d/b``). Neither can go first, so
-        ``job``'s object leaves first (:meth:`_break_shape_cycle`). None if there is no such cycle."""
+    @classmethod
+    def _shape_cycle_partner(cls, txn: Txn, job: FileJob) -> int | None:
+        """An inode whose object of the other shape ``job`` waits for and which waits, through
+        such waits or for another inode's object at its own key (a copy source), for ``job``'s
+        own object to leave: a file exchanged with a directory that holds files (``d/b``'s move
+        to ``a/b`` waits for the file object ``a``, whose move to ``d`` waits for ``d/b``), or a
+        rotation through both kinds of wait (``c``'s move from ``d`` waits for the object
+        ``c/f``, whose file's move to ``b/f`` waits for the object there, whose file's move to
+        ``d/f`` waits for the object ``d``). None can go first, so ``job``'s object leaves
+        first (:meth:`_break_shape_cycle`). None if there is no such cycle."""
         if job.remote is None:
             return None
         first: dict[int, int] = {}  # inode reached -> the blocker of job's keys it was reached through
@@ -602,13 +605,17 @@ class Drain:
                 todo.append(owner)
         while todo:
             cur = todo.pop()
-            for path in txn.paths_of(cur):
-                for owner in durability.shape_blockers(txn, path.decode("utf-8", "surrogateescape")):
-                    if owner == job.ino:
-                        return first[cur]
-                    if owner not in first:
-                        first[owner] = first[cur]
-                        todo.append(owner)
+            paths = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(cur)]
+            waits = {owner for path in paths for owner in durability.shape_blockers(txn, path)}
+            source = cls._blocking_owner(txn, cur, paths)
+            if source is not None:
+                waits.add(source)
+            for owner in waits:
+                if owner == job.ino:
+                    return first[cur]
+                if owner not in first:
+                    first[owner] = first[cur]
+                    todo.append(owner)
         return None
 
     async def _break_shape_cycle(self, job: FileJob) -> None:

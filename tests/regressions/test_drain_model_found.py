@@ -671,3 +671,31 @@ def test_an_exchanged_checkpoint_whose_evicted_marker_waits_for_a_rewritten_shar
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         "ck0/s0": b"ck2 shard", "ck2/s0": b"ck0 shard, saved again", "ck2/.metadata": b"ck0 save"}
     assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
+
+
+@pytest.mark.parametrize("evicted", [("d", "b/f"), ("d", "b/f", "c/f"), ("d",)], ids=lambda e: "+".join(e))
+def test_a_rotation_through_a_file_and_a_directory_of_the_same_name_drains(denv, evicted):  # noqa: F811
+    """Found by the drain model (seed 131, 60 x 120; shrunk by hand). Three drained files
+    rotate names so that a file takes the name of a directory that held one of them
+    (``d -> c``, ``c/f -> b/f``, ``b/f -> d/f``): ``c``'s copy from the object ``d`` waits
+    for the object ``c/f`` to leave (a file:// bucket holds one shape per name), whose file's
+    copy to ``b/f`` waits for the object there, whose file's copy to ``d/f`` waits for the
+    object ``d``. None could go first: the drain never emptied. The cycle search followed
+    only waits for objects of the other shape; it now follows copy sources too, and the
+    object of ``d`` (its file evicted) is parked aside."""
+    for path, data in (("d", b"file d"), ("c/f", b"file c/f"), ("b/f", b"file b/f")):
+        denv.write_file(path, data)
+    denv.drain()
+    denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    for path in evicted:
+        assert denv.core.evict(denv.ino(path))
+    denv.rename("b/f", "x")
+    denv.rename("c/f", "b/f")
+    denv.rmdir("c")
+    denv.rename("d", "c")
+    denv.mkdir("d")
+    denv.rename("x", "d/f")
+    denv.drain(timeout=10)
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "c": b"file d", "b/f": b"file c/f", "d/f": b"file b/f"}
+    assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
