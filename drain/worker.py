@@ -129,6 +129,8 @@ class FileJob:
     # A writer opened it after the scan chose it: its size in fsmeta may predate bytes already
     # written (persisted at close), under a generation no later write bumps. Left queued.
     held_open: bool = False
+    # Its content is nowhere (durability.is_remote_lost): queued again by a rename or chmod.
+    lost: bool = False
 
 
 @dataclass
@@ -479,6 +481,7 @@ class Drain:
             # Read with the inode, in this transaction: the scan's count may be stale.
             held_open=(not pending.urgent and txn.writer_count(ino) > 0
                        and self.cache.gateway_pid() is not None),
+            lost=remote is None and durability.is_remote_lost(txn, inode),
         )
 
     async def _reconcile_file(self, cand: schedule.Candidate) -> None:
@@ -486,7 +489,7 @@ class Drain:
         if job is None or not job.keys:
             await self._write(lambda txn: self._drop_if_gone(txn, cand.ino))
             return
-        if job.remote is None and await self._write(self._take_off_if_lost, job.ino):
+        if job.lost and await self._write(self._take_off_if_lost, job.ino):
             return
         if any(k in self.deleting_keys or k in self.busy_keys for k in job.keys):
             return  # a delete of, or another write to, this name is in flight; next round

@@ -533,7 +533,7 @@ class DrainModel(RuleBasedStateMachine):
             event(f"read of an object changed since its listing: {errno.errorcode[exc.errno]}")
             return None
         with self.env.meta.read() as txn:
-            lost = txn.get_inode(ino).state == FileState.REMOTE and txn.get_remote(ino) is None
+            lost = durability.is_remote_lost(txn, txn.get_inode(ino))
         assert not lost, f"read {path}: its content is lost, yet the read returned {len(got)} bytes"
         event("read of a remote file" if key is not None else "read of a cached file")
         if expected is not None:
@@ -949,7 +949,6 @@ def replay(steps_file: str) -> None:
             for check in invariants:
                 check(machine)
         machine.teardown()
-
 
 
 @contextlib.contextmanager
