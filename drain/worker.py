@@ -1333,8 +1333,11 @@ class Drain:
             return
         marker = info["path"] + "/" if info["path"] else None
         remote = info["remote"]
-        put_marker = marker is not None and info["empty"] and (
-            remote is None or remote.key != marker or info["reason"] == durability.META)
+        # A marker kept while the directory holds files (harmless) still takes new metadata:
+        # it shows again as the directory once the files go.
+        keeps_marker = remote is not None and remote.key == marker
+        put_marker = marker is not None and (
+            (info["empty"] and not keeps_marker) or (keeps_marker and info["reason"] == durability.META))
         if put_marker:
             if marker in self.deleting_keys or marker in self.busy_keys:
                 return  # the old directory's marker is being deleted; next round

@@ -686,3 +686,17 @@ def pending_keys(txn: Txn) -> set[str]:
     for key, _ in txn.iter_tombstones():
         keys.add(key)
     return keys
+
+
+def drop_dir_markers(txn: Txn, ino: int, marker: str, now_ns: int) -> None:
+    """A directory is removed (rmdir, or a rename over it): its marker object at its current
+    name (``marker``, ``dir/``) goes, and so does the one its record names when that is an old
+    key (it, or a directory above it, was renamed and the drain has not moved the marker yet),
+    or nothing would ever delete that object and listings would show the removed directory
+    again under its old name. The record goes too: the marker protects nothing any more."""
+    txn.add_tombstone(marker, now_ns=now_ns)
+    remote = txn.get_remote(ino)
+    if remote is not None:
+        if remote.key != marker:
+            txn.add_tombstone(remote.key, now_ns=now_ns)
+        txn.delete_remote(ino)

@@ -229,10 +229,9 @@ class Namespace:
                 raise FsError(errno.ENOTDIR)
             if not txn.dir_is_empty(ino):
                 raise FsError(errno.ENOTEMPTY)
-            key = rel_key(txn, parent, name)
+            marker = rel_key(txn, parent, name) + "/"
             txn.remove_entry(parent, name)
-            txn.add_tombstone(key + "/", now_ns=now)
-            txn.delete_remote(ino)  # its marker protects nothing any more
+            durability.drop_dir_markers(txn, ino, marker, now)
             inode.nlink = 0
             inode.ctime_ns = now
             txn.clear_pending(ino)
@@ -297,8 +296,7 @@ class Namespace:
             if target is not None:
                 txn.remove_entry(new_parent, new_name)
                 if target.is_dir:
-                    txn.add_tombstone(rel_key(txn, new_parent, new_name) + "/", now_ns=now)
-                    txn.delete_remote(target.ino)
+                    durability.drop_dir_markers(txn, target.ino, rel_key(txn, new_parent, new_name) + "/", now)
                     target.nlink = 0
                     target.ctime_ns = now
                     txn.clear_pending(target.ino)

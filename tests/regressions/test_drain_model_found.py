@@ -17,7 +17,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from test_drain_support import MiB, Crash, RecStore, denv  # noqa: E402,F401
+from test_drain_support import MiB, Crash, RecStore, denv, wait_for  # noqa: E402,F401
 
 from ckptfs.drain.store import MOVING_PREFIX, StoreError  # noqa: E402
 from ckptfs.drain.worker import object_metadata
@@ -174,6 +174,21 @@ def test_chmod_of_an_empty_directory_reaches_its_marker(denv):  # noqa: F811
     denv.mkdir("d")
     denv.drain()
     denv.core.setattr(denv.ino("d"), SetattrRequest(mode=0o700))
+    denv.drain()
+    assert denv.head("d/").metadata["mode"] == str(0o40700)
+
+
+def test_chmod_of_a_directory_that_keeps_its_marker_while_it_holds_files_reaches_the_marker(denv):  # noqa: F811
+    """Found by the drain model (seed 139, 60 x 120; shrunk from 121 steps to 6). A directory
+    keeps its ``d/`` marker when it fills; a chmod while it held a file was dropped (the drain
+    put no marker for a directory that is not empty), so once the file went the marker showed
+    the old mode for ever: another node mounting the bucket saw ``d`` as 0755."""
+    denv.mkdir("d")
+    denv.drain()
+    denv.write_file("d/b", b"in d")
+    denv.core.setattr(denv.ino("d"), SetattrRequest(mode=0o700))
+    denv.drain()
+    denv.unlink("d/b")
     denv.drain()
     assert denv.head("d/").metadata["mode"] == str(0o40700)
 
@@ -699,3 +714,45 @@ def test_a_rotation_through_a_file_and_a_directory_of_the_same_name_drains(denv,
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         "c": b"file d", "b/f": b"file c/f", "d/f": b"file b/f"}
     assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
+
+
+@pytest.mark.parametrize("removal", ["rmdir", "renamed_over"])
+def test_a_removed_directory_whose_marker_has_not_followed_a_rename_leaves_no_marker(denv, removal):  # noqa: F811
+    """Found by the drain model (seed 193, 60 x 120; shrunk by hand). ``mkdir d/e``, drained;
+    ``mv d a``; ``rmdir a/e`` (or a directory renamed over ``a/e``) before the drain moved
+    ``e``'s marker: the removal tombstoned ``a/e/`` and dropped the record of ``d/e/``, so
+    nothing ever deletes ``d/e/``, and every listing shows the removed directory again under
+    its old name."""
+    denv.mkdir("d/e")
+    denv.drain()
+    denv.rename("d", "a")
+    if removal == "rmdir":
+        denv.rmdir("a/e")
+    else:
+        denv.mkdir("x")
+        denv.rename("x", "a/e")
+    denv.drain(timeout=5)
+    assert sorted(denv.listing()) == (["a/"] if removal == "rmdir" else ["a/e/"])
+
+
+def test_a_directory_removed_after_a_drain_stopped_inside_its_move_leaves_no_old_marker(denv):  # noqa: F811
+    """Found by the drain model (seed 193, 60 x 120; shrunk from 142 steps to 8, then by hand).
+    ``mkdir d``, drained; ``mv d a``; a drain puts ``a/`` and dies before it records it (the
+    tombstone of ``d/`` is dropped meanwhile: ``a``'s record still names ``d/``, the commit
+    deletes it); ``rmdir a``: the record went without a tombstone, and ``d/`` stayed for ever."""
+    denv.mkdir("d")
+    denv.drain()
+    denv.rename("d", "a")
+    rec = RecStore(None)
+
+    async def crash_once_the_old_markers_tombstone_is_dropped(key, extra, result):
+        if key == "a/":
+            await wait_for(lambda: "d/" not in denv.tombstones(), timeout=5)
+            raise Crash()
+
+    rec.after_hooks["put_object"] = crash_once_the_old_markers_tombstone_is_dropped
+    with pytest.raises(BaseException):  # the Crash, maybe inside exception groups
+        denv.drain(rec=rec)
+    denv.rmdir("a")
+    denv.drain(timeout=5)
+    assert denv.listing() == []
