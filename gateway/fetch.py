@@ -320,7 +320,6 @@ class Fetcher:
                 self._wait_present(rf, b0, b1)
             metrics.REMOTE_READ_BYTES.labels("cache" if hit else "bucket").inc(end - offset)
         if end >= rf.size:
-            self._verify_if_due(rf)
             self.wait_checked(rf)
 
     def fetch_all(self, rf: RemoteFile, *, attempts: int = 3) -> int:
@@ -342,7 +341,6 @@ class Fetcher:
             except FsError:
                 if attempt == attempts - 1 or rf.error is not None:
                     raise
-        self._verify_if_due(rf)
         self.wait_checked(rf, commit=True)
         return fetched
 
@@ -360,21 +358,19 @@ class Fetcher:
         self._wait_present(rf, 0, b1)
 
     def wait_checked(self, rf: RemoteFile, *, commit: bool = False) -> None:
-        """Once the whole object is present: wait for its blake3 check (and, ``commit``, for
-        the cached-clean commit too). Raises the file's error, if any."""
+        """Once the whole object is present: its blake3 check (and, ``commit``, the cached-clean
+        commit too), done here if nobody has started it, else waited for. Raises the file's
+        error, if any. An empty object is whole without any GET, so only a caller of this
+        checks it: a release with no read and no flush before it would otherwise wait for ever."""
+        self._verify_if_due(rf)
         with rf.cond:
             while rf.error is None and rf.complete and not rf.local and not (rf.verified and (rf.dropped or not commit)):
                 rf.cond.wait()
             if rf.error is not None:
                 raise rf.error
 
-    def check(self, rf: RemoteFile) -> None:
-        """For close (flush): the file's error, after its check if the whole object is here."""
-        self._verify_if_due(rf)  # an empty object is whole without any read: nobody else checks it
-        self.wait_checked(rf)
-
     def _verify_if_due(self, rf: RemoteFile) -> None:
-        """An empty object is complete without any GET: check it here."""
+        """Start the check of a whole object if nobody has (the last GET to land starts it)."""
         with rf.cond:
             due = rf.complete and not rf.checking and not rf.local and rf.error is None
             rf.checking = rf.checking or due

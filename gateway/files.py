@@ -380,7 +380,7 @@ class OpenFiles:
             self.persist(h.open_file)
             self._raise_space_failure(h.open_file)
         if h.open_file is not None and h.open_file.remote is not None:
-            self._state.fetcher.check(h.open_file.remote)  # close reports a failed blake3 check
+            self._state.fetcher.wait_checked(h.open_file.remote)  # close reports a failed blake3 check
 
     @staticmethod
     def _raise_space_failure(of: OpenFile) -> None:

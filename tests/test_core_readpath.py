@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -267,6 +268,25 @@ def test_empty_remote_file(env):
     env.core.release(fh)
     assert env.state(ino) == FileState.CACHED_CLEAN
 
+
+
+@pytest.mark.parametrize("content_matches", [True, False], ids=["blake3_matches", "blake3_differs"])
+def test_an_empty_remote_file_released_without_a_read_or_flush_is_checked_at_release(env, content_matches):
+    """The kernel can send RELEASE with no FLUSH before it (an open that fails after the
+    daemon's OPEN; a descriptor closed in flight over a unix socket). An empty object is
+    whole without any GET, so no landing GET starts its check: the release must, and return.
+    (Found by the drain model, seed 251: the release waited for ever.)"""
+    ino = env.remote(b"empty", b"", blake3_hex=None if content_matches else "0" * 64)
+    fh = env.core.open(ino, os.O_RDONLY)
+    released = threading.Thread(target=env.core.release, args=(fh,), daemon=True)
+    released.start()
+    released.join(timeout=60)  # milliseconds when it works; for ever before the fix
+    assert not released.is_alive(), "release of an unread empty remote file never returned"
+    if content_matches:
+        assert env.state(ino) == FileState.CACHED_CLEAN
+    else:
+        assert env.state(ino) == FileState.REMOTE
+        assert env.core.getxattr(ino, STATE_XATTR) == b"error: RemoteHashMismatch"
 
 def test_a_fetch_cut_by_a_crash_is_never_taken_for_complete(env):
     data = payload(4 * MIB)
