@@ -847,6 +847,13 @@ class Drain:
             victims = await self._read(self._markers_to_invalidate, job)
             if any(key in self.busy_keys for _, key in victims):
                 return False
+            if victims:
+                # A write to one of those keys may have committed since that read began (it
+                # leaves busy_keys only after its commit): its new object is not the marker's.
+                # Read again; a write that starts now waits for this lock before it writes.
+                victims = await self._read(self._markers_to_invalidate, job)
+                if any(key in self.busy_keys for _, key in victims):
+                    return False
             for _, key in victims:
                 log.info("%s: a shard below it is being replaced; deleting it until it is re-uploaded", key)
                 await self._retry(f"delete {key}", lambda key=key: self.store.delete(key))

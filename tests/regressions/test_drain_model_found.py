@@ -756,3 +756,68 @@ def test_a_directory_removed_after_a_drain_stopped_inside_its_move_leaves_no_old
     denv.rmdir("a")
     denv.drain(timeout=5)
     assert denv.listing() == []
+
+
+def test_a_shard_uploaded_while_another_shard_invalidates_its_markers_keeps_its_object(denv):  # noqa: F811
+    """Found by the drain model (seed 251, 60 x 120; shrunk by hand). The evicted marker and
+    shard ``sub/s2`` of a checkpoint are exchanged, then the checkpoint is saved again: the
+    file now at ``.metadata`` still owns the object ``sub/s2``. ``s0``'s reconcile read which
+    markers to delete before the shard now at ``sub/s2`` committed its upload there, and took
+    that shard's new object for the marker's old one: it deleted it after the commit, and the
+    new marker went out over a missing shard. The victims are read again once none of their
+    keys is being written. (Forced: ``s0`` reads while ``sub/s2`` is being put and goes on
+    once that shard has committed.)"""
+    for name, data in (("s0", b"shard 0"), ("sub/s2", b"shard 2"), (".metadata", b"save 1")):
+        denv.write_file(f"ck1/{name}", data)
+    denv.drain()
+    denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    assert denv.core.evict(denv.ino("ck1/sub/s2")) and denv.core.evict(denv.ino("ck1/.metadata"))
+    denv.rename("ck1/sub/s2", "ck1/.metadata", RENAME_EXCHANGE)
+    for name, data in (("s0", b"shard 0, saved again"), ("sub/s2", b"shard 2, saved again"),
+                       (".metadata", b"save 2")):
+        denv.write_file(f"ck1/{name}", data)
+    s2_ino = denv.ino("ck1/sub/s2")
+    seen, check = marker_checker(denv, "ck1", {
+        b"save 1": {"s0": b"shard 0", "sub/s2": b"shard 2"},
+        b"save 2": {"s0": b"shard 0, saved again", "sub/s2": b"shard 2, saved again"}})
+    rec = recording(denv, check)
+    s2_put, s0_read, s2_committed = trio.Event(), trio.Event(), trio.Event()
+
+    async def hold_the_s2_put(key, extra):
+        if key == "ck1/sub/s2":
+            s2_put.set()
+            await s0_read.wait()
+
+    rec.hooks["put_object"] = hold_the_s2_put
+
+    def setup(drain):
+        invalidate, read, write = drain._invalidate_markers, drain._read, drain._write
+
+        async def invalidate_once_s2_is_put(job):
+            if job.keys == ["ck1/s0"]:
+                await s2_put.wait()
+            return await invalidate(job)
+
+        async def s0_reads_before_the_s2_commit(fn, *args):
+            result = await read(fn, *args)
+            if fn == drain._markers_to_invalidate and args[0].keys == ["ck1/s0"] and not s0_read.is_set():
+                s0_read.set()
+                await s2_committed.wait()  # (the s2 reconcile leaves busy_keys before s0 resumes)
+            return result
+
+        async def tell_the_s2_commit(fn, *args):
+            result = await write(fn, *args)
+            if fn == drain._commit_file and args[0].ino == s2_ino:
+                s2_committed.set()
+            return result
+
+        drain._invalidate_markers = invalidate_once_s2_is_put
+        drain._read = s0_reads_before_the_s2_commit
+        drain._write = tell_the_s2_commit
+
+    denv.drain(rec=rec, setup=setup, concurrency=2, timeout=10)
+    assert s2_committed.is_set()  # (the forced order happened)
+    assert seen == []
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "ck1/s0": b"shard 0, saved again", "ck1/sub/s2": b"shard 2, saved again", "ck1/.metadata": b"save 2"}
+    assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
