@@ -276,7 +276,7 @@ def main(argv=None) -> int:
             # their pages starts that writeback under the mount's reads (the plain copies are
             # long on disk). Sides alternate per round, as for the cold reads.
             # The disk's speed swings widely from one read to the next on this kind of VM: even on
-            # a quiet machine about one read in six of a 1 GiB file runs at ~1.1 GB/s instead of
+            # a quiet machine about one read in ten of a 1 GiB file runs at ~1.1 GB/s instead of
             # ~3.3, on either side. So each case is read --warm-repeats times per round.
             os.sync()
             for name, (ckeys, run) in cases.items():
