@@ -16,6 +16,9 @@ Rules (docs/ARCHITECTURE.md, "Drain order"):
   marker's directory blocks it too: after ``mv tmp-ckpt ckpt`` the files below
   ``ckpt`` are queued only when the drain expands that directory, and until then
   they are still at their old keys.
+* Every name counts: a hard-linked file holds back the markers above each of its
+  names, and a marker named twice waits below both directories. Markers that wait
+  for each other only through such links (a cycle) do not, or none would go.
 * Deletions go the other way: markers first (see :func:`order_tombstones`), so
   a half-deleted checkpoint never looks complete. An object below a marker that is
   still in the bucket under its old name (a renamed checkpoint whose marker has not
@@ -41,6 +44,13 @@ class Candidate:
     writers: int
     urgent: bool
     lost: bool = False  # its cache lost data (CacheFileShort/Missing): never started, still blocks markers
+    # A hard-linked file's names other than ``path``: a marker waits for a pending file
+    # named below its directory by any of them (``ln ck0/s ck1/s`` then a rewrite).
+    other_paths: tuple[str, ...] = ()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path, *self.other_paths)
 
 
 def is_marker(path: str, patterns: list[str]) -> bool:
@@ -60,8 +70,7 @@ def _below(path: str, directory: str) -> bool:
 def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, markers: list[str],
              busy: set[int]) -> list[Candidate]:
     """The candidates that may start now, oldest first."""
-    pending_files = [c for c in candidates if not c.is_dir]
-    pending_dirs = [c for c in candidates if c.is_dir and c.path]  # the root is never renamed
+    waits = _marker_waits(candidates, markers)
     out = []
     for cand in sorted(candidates, key=lambda c: (c.since_ns, c.ino)):
         if cand.ino in busy or cand.lost:
@@ -70,19 +79,44 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
             continue
         if not cand.urgent and now_ns - cand.changed_ns < settle_ns:
             continue
-        if not cand.is_dir and is_marker(cand.path, markers):
-            directory = posixpath.dirname(cand.path)
-            blocked = any(other.ino != cand.ino and marker_waits_for(cand.path, other.path, markers)
-                          for other in pending_files)
-            for other in pending_dirs:
-                if (other.path == directory or _below(other.path, directory)
-                        or _below(directory, other.path)):
-                    blocked = True
-                    break
-            if blocked:
-                continue
+        if any(not _reaches(waits, other, cand.ino) for other in waits.get(cand.ino, ())):
+            continue
         out.append(cand)
     return out
+
+
+def _marker_waits(candidates: list[Candidate], markers: list[str]) -> dict[int, set[int]]:
+    """For each pending marker (a file that is a marker under any of its names), the pending
+    inodes it waits for: files named below its directory, and directories at, below or
+    above it."""
+    pending_files = [c for c in candidates if not c.is_dir]
+    pending_dirs = [c for c in candidates if c.is_dir and c.path]  # the root is never renamed
+    waits: dict[int, set[int]] = {}
+    for cand in pending_files:
+        for marker in (p for p in cand.paths if is_marker(p, markers)):
+            directory = posixpath.dirname(marker)
+            waited = waits.setdefault(cand.ino, set())
+            waited.update(other.ino for other in pending_files
+                          if other.ino != cand.ino and any(marker_waits_for(marker, p, markers) for p in other.paths))
+            waited.update(other.ino for other in pending_dirs
+                          if other.path == directory or _below(other.path, directory)
+                          or _below(directory, other.path))
+    return waits
+
+
+def _reaches(waits: dict[int, set[int]], start: int, target: int) -> bool:
+    """``start`` waits, directly or through other markers, for ``target``. Only hard links
+    make such a cycle (``ck0/.metadata`` also named ``ck1/x``, ``ck1/.metadata`` also named
+    ``ck0/y``); the markers in it do not wait for each other, or none would ever go."""
+    seen, stack = {start}, [start]
+    while stack:
+        for nxt in waits.get(stack.pop(), ()):
+            if nxt == target:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return False
 
 
 def marker_waits_for(marker: str, other: str, markers: list[str]) -> bool:
@@ -99,10 +133,10 @@ def marker_waits_for(marker: str, other: str, markers: list[str]) -> bool:
 def held_by_lost(cand: Candidate, candidates: list[Candidate], markers: list[str]) -> bool:
     """A marker that waits for a file below its directory whose cache lost data: it will
     not upload until that file is written again or removed."""
-    if cand.is_dir or not is_marker(cand.path, markers):
+    if cand.is_dir:
         return False
-    directory = posixpath.dirname(cand.path)
-    return any(o.lost and _below(o.path, directory) for o in candidates)
+    directories = [posixpath.dirname(p) for p in cand.paths if is_marker(p, markers)]
+    return any(o.lost and _below(p, d) for o in candidates for p in o.paths for d in directories)
 
 
 def below_marker(key: str, marker_keys: list[str], markers: list[str]) -> bool:

@@ -262,9 +262,14 @@ class Drain:
                 # Nothing to upload until it is written again (or removed).
                 lost[path.decode("utf-8", "surrogateescape")] = txn.get_error(ino)
             writers = txn.writer_count(ino) if gateway_alive else 0
+            first = path.decode("utf-8", "surrogateescape")
+            others: tuple[str, ...] = ()
+            if inode.nlink > 1 and not inode.is_dir:
+                # Every name of a hard-linked shard holds back the markers above it.
+                others = tuple(sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)} - {first}))
             candidates.append(schedule.Candidate(
-                ino, path.decode("utf-8", "surrogateescape"), rec.since_ns, rec.changed_ns,
-                inode.is_dir, writers, rec.urgent, is_lost,
+                ino, first, rec.since_ns, rec.changed_ns,
+                inode.is_dir, writers, rec.urgent, is_lost, others,
             ))
         tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
                       if not durability.awaits_its_writer(txn, key, rec)
@@ -318,7 +323,7 @@ class Drain:
                 # What waits for a slot may start before the next scan, except directories
                 # and markers: their turn depends on other pending inodes, judged at a scan.
                 ready = [c for c in self._start_ready(nursery, eligible)
-                         if not c.is_dir and not schedule.is_marker(c.path, self.markers)]
+                         if not c.is_dir and not any(schedule.is_marker(p, self.markers) for p in c.paths)]
                 if tombstones and not self.tombstones_running:
                     self.tombstones_running = True
                     nursery.start_soon(self._tombstone_task, tombstones)

@@ -1,13 +1,13 @@
 """Drain order: oldest settled first, writers and the settle window respected, markers last."""
 
-from ckptfs.drain.schedule import Candidate, eligible, order_tombstones
+from ckptfs.drain.schedule import Candidate, eligible, held_by_lost, order_tombstones
 
 MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
 S = 1_000_000_000
 
 
-def cand(ino, path, since=0, changed=0, writers=0, urgent=False, is_dir=False):
-    return Candidate(ino, path, since * S, changed * S, is_dir, writers, urgent)
+def cand(ino, path, since=0, changed=0, writers=0, urgent=False, is_dir=False, lost=False, also=()):
+    return Candidate(ino, path, since * S, changed * S, is_dir, writers, urgent, lost, tuple(also))
 
 
 def paths(cands):
@@ -55,6 +55,32 @@ def test_markers_in_same_directory_do_not_deadlock():
 def test_latest_pointer_waits_for_deeper_markers():
     cs = [cand(1, "run/latest"), cand(2, "run/step_9/.metadata")]
     assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["run/step_9/.metadata"]
+
+
+def test_a_shard_hard_linked_into_a_checkpoint_holds_back_its_marker_by_any_name():
+    cs = [cand(1, "ck1/.metadata"), cand(2, "ck0/sub/s2", also=["ck1/sub/s2"])]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["ck0/sub/s2"]
+
+
+def test_a_marker_known_first_by_another_name_still_waits_for_its_checkpoint():
+    cs = [cand(1, "a/x", also=["ck1/.metadata"]), cand(2, "ck1/s0")]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == ["ck1/s0"]
+
+
+def test_markers_that_wait_for_each_other_through_hard_links_both_go():
+    # ck0/.metadata is also ck1/x and ck1/.metadata is also ck0/y: neither can go after the other.
+    cs = [cand(1, "ck0/.metadata", also=["ck1/x"]), cand(2, "ck1/.metadata", also=["ck0/y"]), cand(3, "ck0/s0")]
+    got = paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set()))
+    assert got == ["ck1/.metadata", "ck0/s0"]  # ck0's marker still waits for its plain shard
+    cs = cs[:2]
+    assert paths(eligible(cs, now_ns=100 * S, settle_ns=S, markers=MARKERS, busy=set())) == [
+        "ck0/.metadata", "ck1/.metadata"]
+
+
+def test_a_lost_shard_holds_back_a_marker_through_its_second_name():
+    marker = cand(1, "ck1/.metadata")
+    assert held_by_lost(marker, [marker, cand(2, "ck0/s2", lost=True, also=["ck1/s2"])], MARKERS)
+    assert not held_by_lost(marker, [marker, cand(2, "ck0/s2", lost=True)], MARKERS)
 
 
 def test_marker_patterns_are_configurable():

@@ -821,3 +821,42 @@ def test_a_shard_uploaded_while_another_shard_invalidates_its_markers_keeps_its_
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         "ck1/s0": b"shard 0, saved again", "ck1/sub/s2": b"shard 2, saved again", "ck1/.metadata": b"save 2"}
     assert denv.listing(MOVING_PREFIX) == [] and denv.pending() == {} and denv.tombstones() == {}
+
+
+def test_a_shard_hard_linked_from_another_checkpoint_holds_back_the_marker_of_each(denv):  # noqa: F811
+    """Found by the drain model (seed 293, 60 x 120). The drain's scheduler knew each pending
+    file by its first name only, so a shard of ``ck1`` whose first name is in ``ck0``
+    (``ln ck0/sub/s2 ck1/sub/s2``, then a rewrite) did not hold back ``ck1/.metadata``: the
+    marker went out while the shard was still being put. Every name of a pending file now
+    holds back the markers above it. (Forced: the shard's put is held until the marker is put,
+    or for 2 s once the marker waits for it.)"""
+    for name, data in (("s0", b"ck0 shard 0"), ("sub/s2", b"ck0 shard 2"), (".metadata", b"ck0 save")):
+        denv.write_file(f"ck0/{name}", data)
+    denv.drain()
+    denv.write_file("ck1/s0", b"ck1 shard 0")
+    denv.mkdir("ck1/sub")
+    denv.core.link(denv.ino("ck0/sub/s2"), denv.ino("ck1/sub"), b"s2")
+    denv.write_file("ck1/sub/s2", b"ck1 shard 2")  # (through the link: ck0/sub/s2 is this file too)
+    denv.write_file("ck1/.metadata", b"ck1 save")
+    seen, check = marker_checker(denv, "ck1", {b"ck1 save": {"s0": b"ck1 shard 0", "sub/s2": b"ck1 shard 2"}})
+    rec = recording(denv, check)
+    marker_put = trio.Event()
+
+    async def hold_the_shard(key, extra):
+        if key in ("ck0/sub/s2", "ck1/sub/s2"):
+            with trio.move_on_after(2):
+                await marker_put.wait()
+
+    async def after_put(key, extra, result):
+        await check(key, extra, result)
+        if key == "ck1/.metadata":
+            marker_put.set()
+
+    rec.hooks["put_object"] = hold_the_shard
+    rec.after_hooks["put_object"] = after_put
+    denv.drain(rec=rec, concurrency=2, timeout=20)
+    assert seen == []
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        "ck0/s0": b"ck0 shard 0", "ck0/sub/s2": b"ck1 shard 2", "ck0/.metadata": b"ck0 save",
+        "ck1/s0": b"ck1 shard 0", "ck1/sub/s2": b"ck1 shard 2", "ck1/.metadata": b"ck1 save"}
+    assert denv.pending() == {} and denv.tombstones() == {}
