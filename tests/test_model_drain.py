@@ -185,7 +185,7 @@ class DrainModel(RuleBasedStateMachine):
         self.readers: list[Reader] = []
         self.rec: FaultyStore | None = None
         self.saves: dict[int, dict[str, bytes]] = {}  # save id -> shard -> content
-        self.altered_saves: set[int] = set()  # saves whose files an exchange changed: no marker check
+        self.altered_saves: set[int] = set()  # saves whose files an exchange or a hard link changed: no marker check
         self.next_save = 1
         self.crash_count = 0  # drain runs that ended in a Crash
         self.violation: str | None = None  # seen by a check while the drain ran
@@ -238,11 +238,35 @@ class DrainModel(RuleBasedStateMachine):
             fh = self.fs(self.core.open, ino, os.O_WRONLY | os.O_TRUNC)
             if fh is None:
                 return
+            self.alter_saves_named_elsewhere(ino, path)
         try:
             for off in range(0, len(data), 1 * MiB):
                 self.core.write(fh, off, data[off:off + MiB])
         finally:
             self.core.release(fh)
+
+    def alter_saves_named_elsewhere(self, ino: int | None, written: str | None) -> None:
+        """A write reaches ``ino`` under ``written``: under its other names in a checkpoint
+        (a hard link, ``ln b/b ck2/s1``), the save that checkpoint's marker names no longer
+        holds what the save wrote. The user changed the shard: the marker will vouch for the
+        new content (the drain cannot know which save it was), so that save is not checked."""
+        if ino is None:
+            return
+        with self.env.meta.read() as txn:
+            names = {p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)} - {written}
+        for ck in {name.split("/")[0] for name in names} & set(CHECKPOINTS):
+            self.alter_save_of(ck)
+
+    def alter_save_of(self, ck: str) -> bool:
+        """The save ``ck``'s marker names no longer matches what ``ck`` holds. False: the marker
+        changed on another node (which save it names is unknown)."""
+        marker = self.ino(f"{ck}/{MARKER}")
+        content = self.expected_content(marker)[0] if marker is not None and self.is_reg(marker) else b""
+        if content is None:
+            return False
+        if content.startswith(b"save "):
+            self.altered_saves.add(int(content.split()[1]))
+        return True
 
     def mkdir_p(self, path: str) -> int | None:
         cur = ROOT_INO
@@ -341,6 +365,7 @@ class DrainModel(RuleBasedStateMachine):
         fh = self.fs(self.core.open, ino, os.O_WRONLY)
         if fh is None:
             return
+        self.alter_saves_named_elsewhere(ino, path)
         try:
             self.core.write(fh, offset, data)
         finally:
@@ -351,6 +376,7 @@ class DrainModel(RuleBasedStateMachine):
         ino = self.ino(path)
         if ino is not None:
             self.close_readers(ino)
+            self.alter_saves_named_elsewhere(ino, path)
             self.fs(self.core.setattr, ino, SetattrRequest(size=size))
 
     @rule(path=PATHS, mode=st.sampled_from([0o600, 0o644, 0o755]))
@@ -410,6 +436,9 @@ class DrainModel(RuleBasedStateMachine):
         for shard, data in shards.items():
             self.write_whole(f"{ck}/{shard}", data)
         self.saves[save] = shards
+        inos = [ino for ino in (self.ino(f"{ck}/{shard}") for shard in shards) if ino is not None]
+        if len(set(inos)) < len(inos):
+            self.altered_saves.add(save)  # two shards are one file (a hard link): the last write won
         self.write_whole(f"{ck}/{MARKER}", f"save {save}".encode())
 
     @rule(old=st.sampled_from(CHECKPOINTS), new=st.sampled_from(CHECKPOINTS), flags=RENAME_FLAGS)
@@ -463,6 +492,7 @@ class DrainModel(RuleBasedStateMachine):
             ino = self.ino(path)
             fh = self.fs(self.core.open, ino, os.O_WRONLY) if ino is not None else None
             if fh is not None:
+                self.alter_saves_named_elsewhere(ino, path)
                 self.core.write(fh, 0, data + b"unflushed")
         env = self.env
         for of in list(env.core._open.values()):
@@ -714,12 +744,8 @@ class DrainModel(RuleBasedStateMachine):
         # A checkpoint's files change: the saves its marker names are no longer what its
         # directory holds (the bucket follows the namespace; the marker check cannot).
         for ck in {p.split("/")[0] for p in (a, b)} & set(CHECKPOINTS):
-            marker = self.ino(f"{ck}/{MARKER}")
-            content = self.expected_content(marker)[0] if marker is not None and self.is_reg(marker) else b""
-            if content is None:
-                return  # (another node changed it: which save it names is unknown)
-            if content.startswith(b"save "):
-                self.altered_saves.add(int(content.split()[1]))
+            if not self.alter_save_of(ck):
+                return  # (another node changed its marker: which save it names is unknown)
         if self.rec is None or self.rec.denied_name is None:
             self.run_drain(budget=None)  # (clean files only are evicted: most are dirty otherwise)
         for path in (a, b):
