@@ -827,6 +827,11 @@ class Drain:
                     continue
                 if inode.state == FileState.REMOTE and not inode.is_symlink:
                     continue  # the cache does not hold its content: it could not be put back
+                if not schedule.is_marker(remote.key, self.markers):
+                    # Its object is a shard's (a shard renamed or exchanged onto the marker's
+                    # name): it vouches for nothing; the object at the marker's key, if any,
+                    # is found above by its key.
+                    continue
                 if remote.key in keys or txn.owner_of_remote_key(remote.key) != child:
                     # Its object is the one this write replaces (a shard's key), or another
                     # inode's content replaced it since (a record kept for a re-upload): no marker.
