@@ -88,20 +88,52 @@ def eligible(candidates: list[Candidate], *, now_ns: int, settle_ns: int, marker
 def _marker_waits(candidates: list[Candidate], markers: list[str]) -> dict[int, set[int]]:
     """For each pending marker (a file that is a marker under any of its names), the pending
     inodes it waits for: files named below its directory, and directories at, below or
-    above it."""
-    pending_files = [c for c in candidates if not c.is_dir]
-    pending_dirs = [c for c in candidates if c.is_dir and c.path]  # the root is never renamed
+    above it. (Indexed by directory: a scan of a deep backlog stays linear in its size.)"""
+    marker_names: dict[int, list[str]] = {}
+    for c in candidates:
+        if c.is_dir:
+            continue
+        if c.other_paths:
+            names = [p for p in c.paths if is_marker(p, markers)]
+        else:  # (most files: no list to build)
+            names = [c.path] if is_marker(c.path, markers) else None
+        if names:
+            marker_names[c.ino] = names
+    if not marker_names:
+        return {}
+    files = {c.ino: c for c in candidates if not c.is_dir}
+    files_below: dict[str, set[int]] = {}  # directory -> pending files named below it
+    dirs_at_or_below: dict[str, set[int]] = {}  # directory -> pending directories at or below it
+    dir_inos: dict[str, int] = {}
+    for c in candidates:
+        if c.is_dir:
+            if c.path:  # the root is never renamed
+                dir_inos[c.path] = c.ino
+                for d in (c.path, *_ancestors(c.path)):
+                    dirs_at_or_below.setdefault(d, set()).add(c.ino)
+        else:
+            for p in c.paths:
+                for d in _ancestors(p):
+                    files_below.setdefault(d, set()).add(c.ino)
     waits: dict[int, set[int]] = {}
-    for cand in pending_files:
-        for marker in (p for p in cand.paths if is_marker(p, markers)):
+    for ino, names in marker_names.items():
+        waited = waits.setdefault(ino, set())
+        for marker in names:
             directory = posixpath.dirname(marker)
-            waited = waits.setdefault(cand.ino, set())
-            waited.update(other.ino for other in pending_files
-                          if other.ino != cand.ino and any(marker_waits_for(marker, p, markers) for p in other.paths))
-            waited.update(other.ino for other in pending_dirs
-                          if other.path == directory or _below(other.path, directory)
-                          or _below(directory, other.path))
+            waited.update(o for o in files_below.get(directory, ()) if o != ino
+                          and any(marker_waits_for(marker, p, markers) for p in files[o].paths))
+            waited.update(dirs_at_or_below.get(directory, ()))
+            waited.update(dir_inos[d] for d in _ancestors(directory) if d in dir_inos)
     return waits
+
+
+def _ancestors(path: str) -> list[str]:
+    """The directories above ``path``, nearest first, ending with the root ``""``."""
+    out = []
+    while path:
+        path = posixpath.dirname(path)
+        out.append(path)
+    return out
 
 
 def _reaches(waits: dict[int, set[int]], start: int, target: int) -> bool:
