@@ -1,6 +1,11 @@
 """Drain order: oldest settled first, writers and the settle window respected, markers last."""
 
-from ckptfs.drain.schedule import Candidate, eligible, held_by_lost, order_tombstones
+import posixpath
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptfs.drain.schedule import Candidate, eligible, held_by_lost, is_marker, marker_waits_for, order_tombstones
 
 MARKERS = [".metadata", "latest*", "commit_success.txt", "*COMPLETE*"]
 S = 1_000_000_000
@@ -92,3 +97,52 @@ def test_marker_patterns_are_configurable():
 def test_deletes_put_markers_first():
     batches = order_tombstones(["s/a", "s/.metadata", "s/b", "s/"], MARKERS)
     assert batches == [["s/.metadata"], ["s/", "s/a", "s/b"]]
+
+
+def _reference_eligible(cands, markers):
+    """The marker rule read literally (every marker name against every name of every other
+    pending inode), for comparison with the indexed ``eligible``."""
+    def waits_for(c):
+        out = set()
+        for m in (p for p in c.paths if not c.is_dir and is_marker(p, markers)):
+            d = posixpath.dirname(m)
+            for o in cands:
+                if o.ino == c.ino:
+                    continue
+                if o.is_dir:
+                    if o.path and (o.path == d or d == "" or o.path.startswith(d + "/") or d.startswith(o.path + "/")):
+                        out.add(o.ino)
+                elif any(marker_waits_for(m, p, markers) for p in o.paths):
+                    out.add(o.ino)
+        return out
+
+    waits = {c.ino: waits_for(c) for c in cands}
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in waits[start])
+
+    return [c.ino for c in sorted(cands, key=lambda c: (c.since_ns, c.ino))
+            if not any(not reaches(o, c.ino) for o in waits[c.ino])]
+
+
+NAMES = st.sampled_from(["a", "b", ".metadata", "latest", "c"])
+PATH = st.lists(NAMES, min_size=1, max_size=3).map("/".join)
+
+
+@st.composite
+def queues(draw):
+    out = []
+    for ino in range(1, draw(st.integers(1, 8)) + 1):
+        if draw(st.booleans()) and draw(st.booleans()):
+            out.append(cand(ino, draw(PATH | st.just("")), since=draw(st.integers(0, 3)), is_dir=True))
+        else:
+            out.append(cand(ino, draw(PATH), since=draw(st.integers(0, 3)), also=draw(st.lists(PATH, max_size=2))))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(queues())
+def test_the_indexed_marker_rule_agrees_with_the_rule_read_literally(cs):
+    markers = [".metadata", "latest*"]
+    got = [c.ino for c in eligible(cs, now_ns=100 * S, settle_ns=S, markers=markers, busy=set())]
+    assert got == _reference_eligible(cs, markers)
