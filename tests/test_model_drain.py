@@ -22,7 +22,7 @@ halfway, and the marker check then reports the torn save the namespace itself ho
 A failure that depends on how the drain's concurrent tasks interleave may not come back when
 Hypothesis replays it: it then reports the example as flaky and prints no steps. With
 ``CKPTFS_DRAIN_MODEL_TRACE=DIR``, each rule call is recorded, and the calls of an example whose
-rule or teardown raises are written to ``DIR/<n>-<exception>.steps``, one call a line;
+rule, invariant or teardown raises are written to ``DIR/<n>-<exception>.steps``, one call a line;
 ``python tests/test_model_drain.py replay FILE`` runs such a file again (invariants after each
 step, then the teardown), as often as it takes to hit the interleaving.
 """
@@ -950,10 +950,23 @@ def _traced(name: str, fn):
     return call
 
 
+def _traced_invariant(fn):
+    """An invariant that fails writes the steps that led to it (it is not a step itself)."""
+    def check(self):
+        try:
+            return fn(self)
+        except BaseException as exc:
+            _keep_trace(self, exc)
+            raise
+    return check
+
+
 if TRACE_DIR:
     for _name, _method in list(vars(DrainModel).items()):
         if (_rule := getattr(_method, RULE_MARKER, None)) is not None:
             _rule.function = _traced(_name, _rule.function)
+        if (_invariant := getattr(_method, INVARIANT_MARKER, None)) is not None:
+            _invariant.function = _traced_invariant(_invariant.function)
     DrainModel.teardown = _traced("teardown", DrainModel.teardown)
 
 
