@@ -543,6 +543,7 @@ class Drain:
                 blake3 = job.remote.blake3
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
                 etag = source_etag = job.remote.etag
+                etags = {job.remote.key: job.remote.etag}  # key -> ETag of the object now there
                 for key in job.keys:
                     if key != job.remote.key or job.reason == "meta":
                         try:
@@ -551,20 +552,23 @@ class Drain:
                             await self._copy_source_lost(job, exc)
                             return
                         self.stats.copied_objects += 1
+                        etags[key] = copied.etag
                         if key == job.remote.key:
                             source_etag = copied.etag  # (copied onto itself: the next copy's source)
                         if key == primary:
                             # S3 gives a copy of a multipart object a new ETag: reads send If-Match.
                             etag = copied.etag
+                link_etags = {k: etags[k] for k in job.keys[1:] if etags.get(k)}
                 size = job.remote.size
             else:
                 etag, blake3, size = await self._upload(job, primary)
                 if etag is None:
                     return  # generation moved during the upload: requeued
                 meta = object_metadata(job.mode, job.uid, job.gid, job.mtime_ns, blake3, job.rdev)
+                link_etags = {}
                 for key in job.keys[1:]:
                     try:
-                        await self._retry(f"copy {primary} -> {key}", lambda key=key: self.store.copy(
+                        copied = await self._retry(f"copy {primary} -> {key}", lambda key=key: self.store.copy(
                             primary, key, metadata=meta, if_match=etag))
                     except (NotFoundError, PreconditionFailedError):
                         # Another node or tool wrote the first key meanwhile: copying its bytes
@@ -574,10 +578,12 @@ class Drain:
                                     "uploading it again", primary)
                         self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                         return
+                    if copied.etag:
+                        link_etags[key] = copied.etag
                 self.stats.uploaded_files += 1
                 self.stats.uploaded_bytes += size
                 self.stats.upload_seconds += time.monotonic() - started
-            record = RemoteRecord(primary, size, blake3, job.generation, etag or "")
+            record = RemoteRecord(primary, size, blake3, job.generation, etag or "", link_etags=link_etags)
             latency = await self._write(self._commit_file, job, record)
             if latency is not None:
                 since_first_change, since_last_close = latency

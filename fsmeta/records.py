@@ -129,6 +129,9 @@ class RemoteRecord(_JsonRecord):
     # e.g. just written by the drain): a same-content copy with new metadata (a chmod on
     # another node) keeps the etag, and only this tells it, across gateway restarts.
     listed_modified_ns: int = 0
+    # The ETags of the copies at the file's other names (hard links), as this node's drain
+    # wrote them: a listing that shows another ETag there saw another node replace that name.
+    link_etags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,7 +33,9 @@ database      key                             value
                                               (key, size, blake3, generation, etag,
                                               ``listed_modified_ns``: the LastModified a
                                               listing saw, 0 if none yet; records without
-                                              it load as 0); the
+                                              it load as 0; ``link_etags``: key -> ETag of
+                                              the copies at its other names, empty if
+                                              unknown); the
                                               key is a name of the inode, an old one (a
                                               rename not drained yet), or
                                               ``.ckptfs-moving/<ino>-<hex>`` (parked by the

@@ -107,9 +107,13 @@ class Plan:
     changed: list[tuple[int, Listed]] = field(default_factory=list)
     first_seen: list[tuple[int, str]] = field(default_factory=list)  # files whose LastModified to record
     gone: list[tuple[bytes, int, str]] = field(default_factory=list)  # name, ino, key to confirm
+    # A hard link's name whose object another node replaced: (ino, entry, the key of another
+    # name of the file, whose object the file keeps as its content if that name was its record's).
+    split: list[tuple[int, Listed, str | None]] = field(default_factory=list)
 
     def heads(self) -> list[str]:
         keys = [e.key for e in self.new] + [e.key for _, e in self.changed]
+        keys += [e.key for _, e, _ in self.split] + [k for _, _, k in self.split if k is not None]
         return keys + [key for _, _, key in self.gone if not key.endswith("/")]
 
     def probes(self) -> list[str]:
@@ -369,13 +373,23 @@ class RemoteNames:
                 # is its content now, as for any object replaced elsewhere.
                 plan.changed.append((local, entry))
                 continue
-            if (inode is None or inode.is_dir or record is None or record.key != entry.key
+            if (inode is None or inode.is_dir or record is None
                     or not self._settled(txn, local, inode)):
                 continue  # a local directory, or a file not durable yet: the local one wins
+            if record.key != entry.key:
+                # Another name of a hard-linked file: its copy, unless another node replaced it.
+                copied = record.link_etags.get(entry.key)
+                if copied and entry.etag and copied != entry.etag:
+                    plan.split.append((local, entry, None))
+                continue
             seen = record.listed_modified_ns or None
             if (record.etag and entry.etag and record.etag != entry.etag) or (
                     seen is not None and entry.modified is not None and seen != _ns(entry.modified)):
-                plan.changed.append((local, entry))
+                others = sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(local)} - {entry.key})
+                if inode.nlink > 1 and others:
+                    plan.split.append((local, entry, others[0]))
+                else:
+                    plan.changed.append((local, entry))
             elif seen is None and entry.modified is not None:
                 plan.first_seen.append((local, entry.key))
         if durability.pending_at_or_above(txn, dir_ino):
@@ -474,7 +488,16 @@ class RemoteNames:
             if entry.is_dir:
                 parent.nlink += 1
             stale.append((txn.lookup(dir_ino, entry.name), entry.key))
-        for ino, entry in plan.changed:
+        changed = list(plan.changed)
+        for ino, entry, other_key in plan.split:
+            new_ino = self._split_link(txn, parent, ino, entry, fetched, other_key, open_files)
+            if new_ino is not None:
+                stale.append((new_ino, entry.key))
+            elif other_key is not None:
+                # The file's content is not known to be at its other name: as for a file of one
+                # name, the object now at its record's key is its content (every name shows it).
+                changed.append((ino, entry))
+        for ino, entry in changed:
             got = fetched.get(entry.key)
             inode = txn.get_inode(ino)
             if (got is None or got.info is None or inode is None or txn.lookup(dir_ino, entry.name) != ino
@@ -507,6 +530,43 @@ class RemoteNames:
             purge.append(self._drop_name(txn, inode))
         txn.put_inode(parent)
         return purge, [(ino, key) for ino, key in stale if ino is not None], seen
+
+    def _split_link(self, txn: Txn, parent: Inode, ino: int, entry: Listed, fetched: dict[str, Fetched],
+                    other_key: str | None, open_files: set[int]) -> int | None:
+        """Another node replaced the object at one name of a hard-linked file: that name becomes
+        a file of its own with the new object, and the local file keeps its other names (in
+        the bucket, hard links are independent copies). ``other_key``: the name was the file's
+        record, which moves to ``other_key`` if that object holds the file's content. Returns the
+        new inode, or None if nothing was split."""
+        got = fetched.get(entry.key)
+        inode = txn.get_inode(ino)
+        record = txn.get_remote(ino)
+        if (got is None or got.info is None or inode is None or record is None
+                or txn.lookup(parent.ino, entry.name) != ino or txn.get_pending(ino) is not None
+                or ino in open_files):
+            return None
+        if record.blake3 and got.info.size == record.size and got.info.metadata.get("blake3") == record.blake3:
+            # The same content (a copy with new metadata): nothing to split; its new ETag is ours.
+            if entry.key == record.key:
+                record.etag = got.info.etag
+            else:
+                record.link_etags[entry.key] = got.info.etag
+            txn.put_remote(ino, record)
+            return None
+        if other_key is not None:
+            held = fetched.get(other_key)
+            if (held is None or held.info is None or not record.blake3 or held.info.size != record.size
+                    or held.info.metadata.get("blake3") != record.blake3):
+                return None
+            record.link_etags.pop(other_key, None)
+            record.key, record.etag, record.listed_modified_ns = other_key, held.info.etag, 0
+        record.link_etags.pop(entry.key, None)
+        txn.put_remote(ino, record)
+        txn.remove_entry(parent.ino, entry.name)
+        inode.nlink -= 1
+        txn.put_inode(inode)
+        self._add(txn, parent, entry, got.info, got.target)
+        return txn.lookup(parent.ino, entry.name)
 
     def _drop_name(self, txn: Txn, inode: Inode) -> int:
         """One name of ``inode`` vanished from the bucket (not deleted here: no tombstone)."""

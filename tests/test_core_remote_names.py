@@ -537,3 +537,69 @@ def test_new_metadata_on_the_same_content_keeps_the_cache(node):
     assert (attr.mode, attr.uid) == (stat.S_IFREG | 0o600, 99)
     assert node.inode("f").state == FileState.DURABLE and node.inode("f").generation == generation
     assert (Path(node.core.cache_dir) / "data" / f"{ino:x}").read_bytes() == b"data"
+
+
+def hard_linked_and_drained(node: Node) -> int:
+    """``b/a`` (its record's name) and its hard link ``c/a``, both in the bucket."""
+    for d in (b"b", b"c"):
+        node.core.mkdir(ROOT_INO, d, 0o755, USER)
+    ino = write(node, "b/a", b"local content")
+    node.core.link(ino, node.walk("c").ino, b"a")
+    node.drain()
+    assert node.remote("b/a").key == "b/a"
+    return ino
+
+
+def read_path(node: Node, path: str) -> bytes:
+    fh = node.core.open(node.walk(path).ino, os.O_RDONLY)
+    try:
+        return node.core.read(fh, 0, 1 << 20)
+    finally:
+        node.core.release(fh)
+
+
+def bucket_bytes(node: Node) -> dict[str, bytes]:
+    return {str(p.relative_to(node.bucket_root)): p.read_bytes() for p in node.bucket_root.rglob("*")
+            if p.is_file() and not p.name.startswith(".ckptfs-")}  # (the file store's metadata files)
+
+
+@pytest.mark.parametrize("replaced", ["c/a", "b/a"], ids=["second_link", "first_link"])
+def test_another_nodes_object_at_one_name_of_a_hard_link_splits_that_name_off(node, replaced):
+    """Found by the drain model (seed 311, 60 x 120; shrunk from 121 steps to 5). In the bucket,
+    hard links are independent copies. Another node's object at one of them showed here as
+    the local file's old content (or, at the file's record, replaced the content of every
+    name), and the bucket never matched the namespace. That name now becomes a file of its
+    own with the new object; the local file keeps its other names and its content, read
+    from its own copy once evicted."""
+    from ckptfs.gateway.space import SpaceLimits
+
+    ino = hard_linked_and_drained(node)
+    kept = "b/a" if replaced == "c/a" else "c/a"
+    node.put(replaced, b"another node's", object_metadata(stat.S_IFREG | 0o640, 2, 2, MTIME))
+    node.advance()
+    node.ls("b"), node.ls("c")  # (each directory listed again)
+    assert node.walk(replaced).ino != ino and node.walk(kept).ino == ino
+    assert read_path(node, replaced) == b"another node's" and node.walk(replaced).uid == 2
+    assert node.inode(kept).nlink == 1 and node.remote(kept).key == kept
+    node.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    assert node.core.evict(ino)
+    assert read_path(node, kept) == b"local content"
+    node.drain()
+    assert bucket_bytes(node) == {kept: b"local content", replaced: b"another node's"}
+    node.advance()
+    assert read_path(node, kept) == b"local content" and read_path(node, replaced) == b"another node's"
+    assert node.problems() == []
+
+
+def test_a_copy_with_new_metadata_at_a_second_link_keeps_the_link(node):
+    """Another node's chmod of a second link (a copy with the same content) splits nothing."""
+    ino = hard_linked_and_drained(node)
+    data = (node.bucket_root / "c" / "a").read_bytes()
+    node.put("c/a", data, object_metadata(stat.S_IFREG | 0o600, USER.uid, USER.gid, MTIME,
+                                          blake3=node.remote("b/a").blake3))
+    node.advance()
+    node.ls("c")
+    assert node.walk("c/a").ino == ino and node.inode("b/a").nlink == 2
+    node.advance()
+    node.ls("c")
+    assert node.walk("c/a").ino == ino and node.problems() == []
