@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import itertools
 import os
@@ -965,8 +966,9 @@ if TRACE_DIR:
     for _name, _method in list(vars(DrainModel).items()):
         if (_rule := getattr(_method, RULE_MARKER, None)) is not None:
             _rule.function = _traced(_name, _rule.function)
-        if (_invariant := getattr(_method, INVARIANT_MARKER, None)) is not None:
-            _invariant.function = _traced_invariant(_invariant.function)
+        if (_invariant := getattr(_method, INVARIANT_MARKER, None)) is not None:  # (a frozen dataclass)
+            setattr(_method, INVARIANT_MARKER,
+                    dataclasses.replace(_invariant, function=_traced_invariant(_invariant.function)))
     DrainModel.teardown = _traced("teardown", DrainModel.teardown)
 
 
