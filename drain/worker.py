@@ -851,8 +851,18 @@ class Drain:
         for ino, key in victims:
             inode = txn.get_inode(ino)
             remote = txn.get_remote(ino)
-            if inode is not None and remote is not None and remote.key == key:
-                durability.mark_needs_upload(txn, inode, now)  # uploaded again, after the shards
+            if inode is None or remote is None or remote.key != key:
+                continue
+            pending = txn.get_pending(ino)
+            if (pending is not None and pending.reason == durability.DATA
+                    and not any(schedule.is_marker(p.decode("utf-8", "surrogateescape"), self.markers)
+                                for p in txn.paths_of(ino))):
+                # A marker that is a shard now (renamed or exchanged), with new content queued
+                # (maybe uploading right now): its old object is gone, and requeuing it would
+                # leave it DURABLE and still pending for its data after that upload commits.
+                txn.delete_remote(ino)
+                continue
+            durability.mark_needs_upload(txn, inode, now)  # uploaded again, after the shards
 
     async def _invalidate_markers(self, job: FileJob) -> bool:
         """Before a shard below a durable marker is replaced, the marker leaves the bucket

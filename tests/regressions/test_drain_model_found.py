@@ -886,3 +886,47 @@ def test_a_shard_exchanged_onto_a_resaved_markers_name_keeps_the_old_marker_hone
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         "ck1/s0": save_2["s0"], "ck1/s1": save_2["s1"], "ck1/sub/s2": b"save 2", "ck1/.metadata": save_2["sub/s2"]}
     assert denv.pending() == {} and denv.tombstones() == {}
+
+
+def test_a_marker_exchanged_onto_a_shard_and_saved_again_is_uploaded_once_and_stays_consistent(denv):  # noqa: F811
+    """Found by the drain model (seed 317, 60 x 120; shrunk from 71 steps to 6). A drained
+    checkpoint's evicted marker and shard ``s0`` are exchanged, then the checkpoint is saved
+    again: the file now at ``s0`` still owns the old marker's object. The shard upload that
+    deleted that marker object (right) also queued its file to be uploaded again, as a
+    marker (wrong: it is a shard now, its new content queued anyway). Its upload then
+    committed with that request still queued: fsmeta held it DURABLE and pending for its
+    data (an invariant broken), and the drain uploaded it a second time. Now its old object
+    is only forgotten. (Checked in the transaction of every commit.)"""
+    from ckptfs.fsmeta.check import fsmeta_problems, fsmeta_problems_in
+
+    save_1 = {"s0": b"shard 0", "s1": b"1" * (5 * MiB + 4096), "sub/s2": b"2"}
+    save_2 = {"s0": b"shard 0, saved again", "s1": b"one" * (2 * MiB), "sub/s2": b"shard 2"}
+    for name, data in save_1.items():
+        denv.write_file(f"ck2/{name}", data)
+    denv.write_file("ck2/.metadata", b"save 1")
+    denv.drain()
+    denv.core.enable_space(SpaceLimits(cap=1 << 40, high=1 << 39, low=1 << 38, timeout=600.0, device_reserve=0))
+    assert denv.core.evict(denv.ino("ck2/s0")) and denv.core.evict(denv.ino("ck2/.metadata"))
+    denv.rename("ck2/s0", "ck2/.metadata", RENAME_EXCHANGE)
+    for name, data in save_2.items():
+        denv.write_file(f"ck2/{name}", data)
+    denv.write_file("ck2/.metadata", b"save 2")
+    problems = []
+
+    def setup(drain):
+        commit = drain._commit_file
+
+        def commit_and_check(txn, job, record):
+            result = commit(txn, job, record)
+            problems.extend(fsmeta_problems_in(txn))
+            return result
+
+        drain._commit_file = commit_and_check
+
+    seen, check = marker_checker(denv, "ck2", {b"save 1": save_1, b"save 2": save_2})
+    rec = denv.drain(rec=recording(denv, check), concurrency=2, setup=setup)
+    assert problems == [] and seen == []
+    assert rec.written_keys().count("ck2/s0") == 1
+    assert {k: denv.object_bytes(k) for k in denv.listing()} == {
+        **{f"ck2/{name}": data for name, data in save_2.items()}, "ck2/.metadata": b"save 2"}
+    assert denv.pending() == {} and fsmeta_problems(denv.meta) == []
