@@ -24,7 +24,9 @@ Hypothesis replays it: it then reports the example as flaky and prints no steps.
 ``CKPTFS_DRAIN_MODEL_TRACE=DIR``, each rule call is recorded, and the calls of an example whose
 rule, invariant or teardown raises are written to ``DIR/<n>-<exception>.steps``, one call a line;
 ``python tests/test_model_drain.py replay FILE`` runs such a file again (invariants after each
-step, then the teardown), as often as it takes to hit the interleaving.
+step, then the teardown), as often as it takes to hit the interleaving, and
+``python tests/test_model_drain.py shrink FILE MESSAGE`` deletes steps while a replay still
+fails with MESSAGE (a few minutes; 121 steps usually come down to 5-10).
 """
 
 from __future__ import annotations
@@ -1029,6 +1031,46 @@ def test_drain_model(tmp_path, fast_drain):
     print("read-path events:", dict(sorted(EVENTS.items())))
 
 
+def shrink(steps_file: str, message: str, tries: int = 2) -> list[str]:
+    """Delete steps of a trace (runs of 8, 4, 2, then 1, from the end) for as long as a replay
+    still fails with ``message`` in its output (``tries`` replays each: a failure that depends
+    on how the drain's tasks interleave may need more). Writes ``FILE.shrunk`` as it goes."""
+    import subprocess
+
+    out = pathlib.Path(steps_file + ".shrunk")
+    attempt = pathlib.Path(steps_file + ".try")
+    lines = [line for line in pathlib.Path(steps_file).read_text().splitlines()
+             if line.strip() and not line.startswith("teardown")]
+
+    def fails(candidate: list[str]) -> bool:
+        attempt.write_text("".join(line + "\n" for line in candidate))
+        for _ in range(tries):
+            run = subprocess.run([sys.executable, __file__, "replay", str(attempt)], capture_output=True, text=True)
+            if message in run.stdout + run.stderr:
+                return True
+        return False
+
+    if not fails(lines):
+        raise SystemExit(f"{steps_file} does not fail with {message!r}")
+    changed = True
+    while changed:
+        changed = False
+        for run_length in (8, 4, 2, 1):
+            end = len(lines)
+            while end > 0:
+                candidate = lines[:max(0, end - run_length)] + lines[end:]
+                if candidate and fails(candidate):
+                    lines, changed = candidate, True
+                    out.write_text("".join(line + "\n" for line in lines))
+                    print(f"{len(lines)} steps", flush=True)
+                end -= run_length
+    attempt.unlink(missing_ok=True)
+    out.write_text("".join(line + "\n" for line in lines))
+    return lines
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["replay"] and len(sys.argv) == 3:
     replay(sys.argv[2])
     print("replayed without a failure")
+elif __name__ == "__main__" and sys.argv[1:2] == ["shrink"] and len(sys.argv) == 4:
+    print("".join(line + "\n" for line in shrink(sys.argv[2], sys.argv[3])), end="")
