@@ -1114,7 +1114,7 @@ class Drain:
                 await self._abort_recorded(job.ino, job.upload)
             result = await upload_bytes(self.store, key, content, meta, journal=self.status_journal)
             if job.prior_attempt:
-                job.unknown_uploads_left = not await self._abort_orphans(key, None)
+                job.unknown_uploads_left = not await self._abort_orphans_at_every_name(job, key, None)
             return result.etag, result.blake3, len(content)
 
         resume = None
@@ -1171,7 +1171,7 @@ class Drain:
             return None, "", 0
         if job.prior_attempt or (result.multipart and journal.creates > 1):
             keep = result.upload_id if result.multipart else None
-            job.unknown_uploads_left = not await self._abort_orphans(key, keep)
+            job.unknown_uploads_left = not await self._abort_orphans_at_every_name(job, key, keep)
         etag = result.etag
         if resume is not None:
             etag = await self._metadata_since_created(key, meta, etag, result.blake3)
@@ -1205,6 +1205,15 @@ class Drain:
         except StoreError as exc:
             if exc.code != "NoSuchUpload":
                 log.warning("abort of upload %s of %s failed (the stale sweep retries): %s", upload_id, key, exc)
+
+    async def _abort_orphans_at_every_name(self, job: FileJob, key: str, keep: str | None) -> bool:
+        """:meth:`_abort_orphans` at each of the file's names (``keep``: of ``key``): the cut-off
+        attempt uploaded to its first name then, which a hard link made since may have put
+        second (``ln c b/a``: ``b/a`` sorts first now)."""
+        aborted = True
+        for name in job.keys:
+            aborted = await self._abort_orphans(name, keep if name == key else None) and aborted
+        return aborted
 
     async def _abort_orphans(self, key: str, keep: str | None) -> bool:
         """Abort multipart uploads of exactly ``key`` that no fsmeta record knows.

@@ -930,3 +930,21 @@ def test_a_marker_exchanged_onto_a_shard_and_saved_again_is_uploaded_once_and_st
     assert {k: denv.object_bytes(k) for k in denv.listing()} == {
         **{f"ck2/{name}": data for name, data in save_2.items()}, "ck2/.metadata": b"save 2"}
     assert denv.pending() == {} and fsmeta_problems(denv.meta) == []
+
+
+def test_an_upload_cut_off_before_a_hard_link_that_sorts_first_leaves_no_multipart_upload(denv):  # noqa: F811
+    """Found by the drain model (seed 349, 60 x 120; shrunk from 121 steps to 6). A drain
+    stopped right after CreateMultipartUpload of ``c`` (its id never recorded); then ``ln c
+    b/a``. The next upload went to ``b/a``, the file's first name now, and looked for
+    unrecorded uploads there only: the one of ``c`` stayed open (until the 24-hour sweep,
+    billed meanwhile). Every name of the file is cleaned now."""
+    data = b"c" * (5 * MiB + 4096)
+    denv.mkdir("b")
+    denv.write_file("c", data)
+    drain_crashing_after(denv, "create_multipart", "c")
+    assert [u.key for u in denv.open_uploads()] == ["c"] and denv.upload_record("c") is None
+    denv.core.link(denv.ino("c"), denv.ino("b"), b"a")
+    denv.drain()
+    assert denv.open_uploads() == []
+    assert {k: denv.object_bytes(k) for k in denv.listing() if not k.endswith("/")} == {"b/a": data, "c": data}
+    assert denv.pending() == {} and denv.tombstones() == {}
