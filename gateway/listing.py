@@ -385,8 +385,9 @@ class RemoteNames:
             seen = record.listed_modified_ns or None
             if (record.etag and entry.etag and record.etag != entry.etag) or (
                     seen is not None and entry.modified is not None and seen != _ns(entry.modified)):
-                others = sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(local)} - {entry.key})
-                if inode.nlink > 1 and others:
+                others = sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(local)}
+                                - {entry.key}) if inode.nlink > 1 else []
+                if others:
                     plan.split.append((local, entry, others[0]))
                 else:
                     plan.changed.append((local, entry))
@@ -494,8 +495,8 @@ class RemoteNames:
             if new_ino is not None:
                 stale.append((new_ino, entry.key))
             elif other_key is not None:
-                # The file's content is not known to be at its other name: as for a file of one
-                # name, the object now at its record's key is its content (every name shows it).
+                # The same content at its record's key (a copy with new metadata), or its content
+                # not known to be at its other name: handled as for a file of one name.
                 changed.append((ino, entry))
         for ino, entry in changed:
             got = fetched.get(entry.key)
@@ -546,12 +547,11 @@ class RemoteNames:
                 or ino in open_files):
             return None
         if record.blake3 and got.info.size == record.size and got.info.metadata.get("blake3") == record.blake3:
-            # The same content (a copy with new metadata): nothing to split; its new ETag is ours.
-            if entry.key == record.key:
-                record.etag = got.info.etag
-            else:
+            # The same content (a copy with new metadata): nothing to split. At the record's key
+            # the caller takes the new attributes and ETag; at another name, its ETag is ours.
+            if other_key is None:
                 record.link_etags[entry.key] = got.info.etag
-            txn.put_remote(ino, record)
+                txn.put_remote(ino, record)
             return None
         if other_key is not None:
             held = fetched.get(other_key)

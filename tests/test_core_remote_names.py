@@ -591,15 +591,18 @@ def test_another_nodes_object_at_one_name_of_a_hard_link_splits_that_name_off(no
     assert node.problems() == []
 
 
-def test_a_copy_with_new_metadata_at_a_second_link_keeps_the_link(node):
-    """Another node's chmod of a second link (a copy with the same content) splits nothing."""
+@pytest.mark.parametrize("copied", ["c/a", "b/a"], ids=["second_link", "first_link"])
+def test_a_copy_with_new_metadata_at_a_second_link_keeps_the_link(node, copied):
+    """Another node's chmod of one name of a hard link (a copy with the same content) splits
+    nothing."""
     ino = hard_linked_and_drained(node)
-    data = (node.bucket_root / "c" / "a").read_bytes()
-    node.put("c/a", data, object_metadata(stat.S_IFREG | 0o600, USER.uid, USER.gid, MTIME,
-                                          blake3=node.remote("b/a").blake3))
+    data = (node.bucket_root / copied).read_bytes()
+    node.put(copied, data, object_metadata(stat.S_IFREG | 0o600, USER.uid, USER.gid, MTIME,
+                                           blake3=node.remote("b/a").blake3))
+    directory = copied.split("/")[0]
     node.advance()
-    node.ls("c")
-    assert node.walk("c/a").ino == ino and node.inode("b/a").nlink == 2
+    node.ls(directory)
+    assert node.walk(copied).ino == ino and node.inode("b/a").nlink == 2
     node.advance()
-    node.ls("c")
-    assert node.walk("c/a").ino == ino and node.problems() == []
+    node.ls(directory)
+    assert node.walk(copied).ino == ino and node.problems() == []
