@@ -90,6 +90,9 @@ class CkptOperations(pyfuse3.Operations):
         self.on_init = on_init
         self._metric_children: dict[str, tuple] = {}
         self._workers = Workers()  # the hop to a worker thread, cheaper than trio.to_thread
+        # Passthrough mode: opens the gateway serves use direct I/O. Set at INIT (on_init), once
+        # the kernel granted FUSE_DIRECT_IO_ALLOW_MMAP, without which they could not be mapped.
+        self.direct_served_io = False
 
     def init(self):
         if self.on_init is not None:
@@ -254,9 +257,12 @@ class CkptOperations(pyfuse3.Operations):
             bid = self.core.backing_id(fh)
             if bid:
                 return pyfuse3.FileInfo(fh=fh, backing_id=bid)
-            # Served by the gateway (under cache-space pressure, gateway/space.py): pages the
-            # kernel cached at an earlier such open may be stale after passthrough writes since.
-            return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+            # Served by the gateway (a file being fetched, or a writer under cache-space
+            # pressure, gateway/space.py): pages the kernel cached at an earlier such open may be
+            # stale after passthrough writes since. With direct I/O (where the kernel allows
+            # shared mappings of such files) it caches none: no second copy of a cold read next
+            # to the cache file's pages, which later passthrough opens read (docs/DESIGN.md).
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=self.direct_served_io)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     # The reply's FileInfo is made in the worker thread: the backing id is read under

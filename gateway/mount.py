@@ -284,6 +284,12 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             core.disable_passthrough()
             mode = "writeback"
         log.info("data path: %s (%s)", mode, data_path_why if mode == data_path else "not granted at INIT")
+        if mode == "passthrough":
+            # Opens the gateway serves (files being fetched) skip the mount's page cache, if
+            # they can still be mapped that way.
+            ops.direct_served_io = passthrough.direct_io_mmap_granted()
+            log.info("files being fetched are opened with %s", "direct I/O" if ops.direct_served_io else
+                     "the page cache (the kernel did not grant FUSE_DIRECT_IO_ALLOW_MMAP)")
         record_data_path(mode)
         # runs once INIT's reply is in (this handler returns first)
         trio.lowlevel.spawn_system_task(functools.partial(trio.to_thread.run_sync, raise_read_ahead, mountpoint, abandon_on_cancel=True))
@@ -291,6 +297,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init)
     if data_path == "passthrough":
         ops.enable_passthrough = True  # read by the patched pyfuse3 at INIT
+        ops.enable_direct_io_mmap = True
 
     allow_other = settings.allow_other if settings.allow_other is not None else os.geteuid() == 0
     options = {"fsname=ckptfs", "subtype=ckptfs", "default_permissions"}

@@ -38,6 +38,7 @@ __all__ = [
     "FUSE_DEV_IOC_BACKING_CLOSE",
     "probe",
     "granted",
+    "direct_io_mmap_granted",
     "session_fd",
     "open_backing",
     "close_backing",
@@ -93,6 +94,20 @@ def granted() -> bool:
     except ImportError:
         return False
     fn = getattr(pyfuse3, "passthrough_enabled", None)
+    return bool(fn()) if fn is not None else False
+
+
+def direct_io_mmap_granted() -> bool:
+    """Whether the kernel allows shared mappings of files opened with direct I/O
+    (FUSE_DIRECT_IO_ALLOW_MMAP, Linux >= 6.6), negotiated at INIT when the file system set
+    ``Operations.enable_direct_io_mmap``. Without it ``mmap(MAP_SHARED)`` of such a file fails
+    with ENODEV. False before INIT, or with a pyfuse3 that predates this part of the patch.
+    """
+    try:
+        import pyfuse3
+    except ImportError:
+        return False
+    fn = getattr(pyfuse3, "direct_io_mmap_enabled", None)
     return bool(fn()) if fn is not None else False
 
 

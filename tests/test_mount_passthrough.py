@@ -3,7 +3,8 @@
 Every POSIX behaviour is checked on both data paths by the mounted suites (conftest.DATA_PATHS);
 here: WRITE/READ requests no longer reach the gateway while the data still reaches the cache
 file and the bucket, the mode shows in status and metrics, ``--data-path passthrough`` is
-refused where it cannot work, and a shared mapping that outlives close() is noticed.
+refused where it cannot work, a shared mapping that outlives close() is noticed, and a file
+being fetched from the bucket is read with direct I/O.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import pytest
 
 from conftest import ckptfs_cmd, needs_fuse
+from test_mount_readpath import reads, remote_files, settled_state
 
 pytestmark = [needs_fuse, pytest.mark.mounted]
 
@@ -151,3 +153,19 @@ def test_fsync_remote_then_an_overwrite_seen_by_stat_still_reaches_the_bucket(ga
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert (gw.bucket / "shard.pt").read_bytes() == want
+
+
+def test_a_file_being_fetched_is_read_past_the_page_cache_in_passthrough_mode(gateway_factory):
+    """A cold read does not keep a second copy of the file in the mount's page cache (the cache
+    file's pages already hold it, and they are what later passthrough opens read): every read of
+    a file being fetched reaches the gateway, the same range read twice too."""
+    gw = gateway_factory(data_path="passthrough")
+    data = os.urandom(8 * MiB)
+    remote_files(gw, {"big.bin": data})
+    with open(gw.mnt / "big.bin", "rb", buffering=0) as f:
+        assert f.read(MiB) == data[:MiB]
+        before = reads(gw)
+        assert os.pread(f.fileno(), MiB, 0) == data[:MiB]
+        assert reads(gw) - before >= 1  # not served from the mount's page cache
+        assert f.read() == data[MiB:]
+    assert settled_state(gw.mnt / "big.bin", b"durable") == b"durable"

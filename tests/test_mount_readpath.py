@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import mmap
 import os
 import subprocess
 import time
@@ -97,6 +98,25 @@ def test_a_cold_sequential_read_reaches_the_gateway_in_large_reads(gateway_facto
         got = b"".join(iter(lambda: f.read(8 * MiB), b""))
     assert got == data
     assert reads(gw) - before <= len(data) // (512 * 1024)
+
+
+def test_a_remote_file_can_be_mapped_while_it_is_fetched(gateway_factory, data_path):
+    """``torch.load(mmap=True)`` and safetensors map a checkpoint: a file in the bucket only maps
+    shared and private, and the mapping reads its content. (In passthrough mode such a file is
+    opened with direct I/O, whose shared mappings need the kernel's FUSE_DIRECT_IO_ALLOW_MMAP:
+    without it mmap fails with ENODEV.)"""
+    gw = gateway_factory()
+    data = os.urandom(5 * MiB + 3)
+    remote_files(gw, {"shared.pt": data, "private.pt": data})
+    with open(gw.mnt / "shared.pt", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert m[MiB:MiB + 4096] == data[MiB:MiB + 4096]  # a random read first
+        assert m[:] == data
+    with open(gw.mnt / "private.pt", "rb") as f, \
+            mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) as m:
+        assert m[:] == data
+    for name in ("shared.pt", "private.pt"):
+        assert settled_state(gw.mnt / name, b"durable") == b"durable"
+        assert (gw.mnt / name).read_bytes() == data
 
 
 def test_a_corrupt_object_fails_the_read_with_eio(gateway_factory):
