@@ -19,7 +19,9 @@ are in the bucket only. Each round, alternating which side goes first:
 
 With each cold read and the prefetch it also prints the **gateway's CPU seconds per GiB**
 (user + system time of the mount process from ``/proc/PID/stat``, just before and after the
-reads): the load-independent figure, where the MB/s move with what else runs on the machine.
+reads): the load-independent figure, where the MB/s move with what else runs on the machine;
+and boto3's (the bench process's CPU time over ``download_file`` alone). radosgw shares the
+machine's cores with both sides: what one side spends per GiB, radosgw does not get.
 
 ``--scale`` multiplies every size but the RSS file's (``--rss-gib``), for a quick run.
 radosgw on 127.0.0.1 is started by the bench unless ``CKPTFS_S3_ENDPOINT`` points at one;
@@ -254,17 +256,19 @@ def main(argv=None) -> int:
                         m.unmount()
                         evict_all(m.cache)
                     else:
-                        t0 = time.monotonic()
+                        t0, cpu0 = time.monotonic(), time.process_time()
                         bench.boto3_download(keys)
+                        note(f"{name}: boto3 CPU", (time.process_time() - cpu0) / (nbytes / GiB))
                         if name == "torch.load":
                             torch_load(bench.local(keys[0]))
                         note(f"{name}: boto3", nbytes / (time.monotonic() - t0))
             # prefetch of everything but the RSS file vs boto3 of the same
             keys = [k for k in sizes if k != rss_key]
             nbytes = sum(sizes[k] for k in keys)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             bench.boto3_download(keys)
             note("everything: boto3", nbytes / (time.monotonic() - t0))
+            note("everything: boto3 CPU", (time.process_time() - cpu0) / (nbytes / GiB))
             shutil.rmtree(bench.dl, ignore_errors=True)
             m.start()
             cpu0, t0 = proc_cpu([m.proc.pid]), time.monotonic()
@@ -304,14 +308,14 @@ def main(argv=None) -> int:
 
         print(f"\n# medians of {args.rounds} rounds (MB/s); load average now {loadavg()}")
         print(f"{'workload':32s}{'mount':>10s}{'baseline':>10s}{'ratio':>8s}{'target':>8s}"
-              f"{'gateway CPU s/GiB':>19s}")
+              f"{'gateway CPU s/GiB':>19s}{'boto3 CPU s/GiB':>17s}")
         for name in cases:
             print(f"{'cold ' + name:32s}{med(name + ': mount') / 1e6:10.0f}{med(name + ': boto3') / 1e6:10.0f}"
                   f"{med(name + ': mount') / med(name + ': boto3'):8.2f}{'>=1.0':>8s}"
-                  f"{med(name + ': gateway CPU'):19.2f}")
+                  f"{med(name + ': gateway CPU'):19.2f}{med(name + ': boto3 CPU'):17.2f}")
         print(f"{'prefetch everything':32s}{med('everything: prefetch') / 1e6:10.0f}"
               f"{med('everything: boto3') / 1e6:10.0f}{med('everything: prefetch') / med('everything: boto3'):8.2f}"
-              f"{'>=1.0':>8s}{med('everything: gateway CPU'):19.2f}")
+              f"{'>=1.0':>8s}{med('everything: gateway CPU'):19.2f}{med('everything: boto3 CPU'):17.2f}")
         for name in cases:
             a, b = med(f"warm {name}: mount"), med(f"warm {name}: plain")
             print(f"{'warm ' + name:32s}{a / 1e6:10.0f}{b / 1e6:10.0f}{a / b:8.2f}{'>=0.9':>8s}"

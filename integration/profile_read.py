@@ -1,5 +1,6 @@
-"""Where the gateway's CPU goes on the read path: one cold read (one reader) and one
-``ckptfs prefetch`` of the same file, against a real radosgw, with the gateway's CPU seconds
+"""Where the gateway's CPU goes on the read path: one cold read (one reader, or
+``--readers N`` reading N files of ``--mib``/N in parallel) and one ``ckptfs prefetch`` of the
+same files, against a real radosgw, with the gateway's CPU seconds
 per GiB (``/proc/PID/stat``) and optionally a profile of the gateway process alone:
 
 * ``--profiler perf``: ``perf record -g`` (kernel and user frames) into
@@ -14,7 +15,7 @@ at one; never moto.
 Usage::
 
     .venv/bin/python -m integration.profile_read [--mib 1024] [--profiler none|perf|py-spy]
-        [--out /tmp/ckptfs-read] [--workdir /var/tmp] [--served PASSES]
+        [--out /tmp/ckptfs-read] [--workdir /var/tmp] [--served PASSES] [--readers N]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from integration.bench_drain import proc_cpu
-from integration.bench_read import Bench, evict_all, read_file, tear_down, write_random
+from integration.bench_read import Bench, evict_all, read_file, read_parallel, tear_down, write_random
 from integration.test_drain_common import ckptfs_cmd, s3_env
 
 
@@ -74,7 +75,11 @@ def main(argv=None) -> int:
                     help="also measure READ serving alone: after the cold read, PASSES more reads "
                          "through the same open file with its page cache dropped (every READ "
                          "reaches the gateway, every block is in the cache file)")
+    ap.add_argument("--readers", type=int, default=1,
+                    help="read N files of MIB/N each, one thread per file (not with --served)")
     args = ap.parse_args(argv)
+    if args.served and args.readers != 1:
+        ap.error("--served reads one file: use it with --readers 1")
 
     from integration.s3server import start_from_env
 
@@ -90,10 +95,12 @@ def main(argv=None) -> int:
         bench = Bench(s3, bucket, base, 8 * MiB, 16)
         m = bench.mount
         src = base / "src.bin"
-        write_random(src, args.mib * MiB)
+        write_random(src, args.mib * MiB // args.readers)
+        names = ["ckpt/big.bin"] if args.readers == 1 else [f"ckpt/shard_{i}.bin" for i in range(args.readers)]
         m.start()
         (m.mnt / "ckpt").mkdir()
-        shutil.copyfile(src, m.mnt / "ckpt/big.bin")
+        for name in names:
+            shutil.copyfile(src, m.mnt / name)
         m.wait_durable("", timeout=3600)
         m.unmount()
         evict_all(m.cache)
@@ -106,15 +113,18 @@ def main(argv=None) -> int:
                 time.sleep(1.5)  # attached before the first byte
             cpu0, t0 = proc_cpu([pid]), time.monotonic()
             if what == "read":
-                with open(m.mnt / "ckpt/big.bin", "rb", buffering=0) as held:
-                    read_file(m.mnt / "ckpt/big.bin")
-                    if args.served:
-                        report("read", args.mib, time.monotonic() - t0, proc_cpu([pid]) - cpu0)
-                        what = "served"
-                        cpu0, t0 = proc_cpu([pid]), time.monotonic()
-                        for _ in range(args.served):
-                            serve_again(held.fileno())
-                        mib = args.mib * args.served
+                if args.readers > 1:
+                    read_parallel([m.mnt / name for name in names])
+                else:
+                    with open(m.mnt / "ckpt/big.bin", "rb", buffering=0) as held:
+                        read_file(m.mnt / "ckpt/big.bin")
+                        if args.served:
+                            report("read", args.mib, time.monotonic() - t0, proc_cpu([pid]) - cpu0)
+                            what = "served"
+                            cpu0, t0 = proc_cpu([pid]), time.monotonic()
+                            for _ in range(args.served):
+                                serve_again(held.fileno())
+                            mib = args.mib * args.served
             else:
                 subprocess.run([*ckptfs_cmd(), "prefetch", str(m.mnt / "ckpt")], check=True, capture_output=True)
             seconds, cpu = time.monotonic() - t0, proc_cpu([pid]) - cpu0
