@@ -15,6 +15,7 @@ import contextlib
 import errno
 import itertools
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -280,6 +281,21 @@ class FsModel(RuleBasedStateMachine):
     @rule(i=st.integers(0, 50), offset=OFFSETS, size=st.sampled_from([1, 100, 5000, 100000]))
     def pread(self, i, offset, size):
         self.both_fd(f"pread {size}@{offset}", i, lambda fd: os.pread(fd, size, offset))
+
+    @precondition(lambda self: self.fds)
+    @rule(i=st.integers(0, 50), offset=OFFSETS, size=st.sampled_from([1, 100, 5000, 100000]))
+    def mmap_read(self, i, offset, size):
+        """Read through a shared read-only mapping of the open file (as ``torch.load(mmap=True)``
+        and safetensors do), made and dropped in this step; only inside the file's size (past
+        its last page a mapping raises SIGBUS)."""
+        def mapped(fd):
+            st_ = os.fstat(fd)
+            if stat.S_ISDIR(st_.st_mode) or st_.st_size == 0:
+                return None
+            with mmap.mmap(fd, st_.st_size, access=mmap.ACCESS_READ) as m:
+                return m[min(offset, st_.st_size):min(offset + size, st_.st_size)]
+
+        self.both_fd(f"mmap read {size}@{offset}", i, mapped)
 
     @precondition(lambda self: self.fds)
     @rule(i=st.integers(0, 50), size=SIZES)
