@@ -477,8 +477,11 @@ def state_label(txn: Txn, inode: Inode) -> str:
 
 
 def remote_fsync_state(txn: Txn, ino: int) -> str | None:
-    """For ``--fsync=remote``: "durable", a permanent error code, or None (keep waiting)."""
-    if txn.get_pending(ino) is None:
+    """For ``--fsync=remote``: "durable", a permanent error code, or None (keep waiting).
+    A file unlinked while open has no name to put in the bucket (the drain never uploads
+    it): the local fsync was the whole answer."""
+    inode = txn.get_inode(ino)
+    if txn.get_pending(ino) is None or inode is None or inode.nlink == 0:
         return "durable"
     return txn.get_error(ino)
 

@@ -185,3 +185,40 @@ def test_an_exchange_of_a_file_and_a_directory_drains_to_a_file_bucket(gateway_f
     result = wait_durable(60)
     assert result.returncode == 0, result.stderr
     assert (gw.bucket / "r" / "a").read_bytes() == b"shard"
+
+
+def test_a_remote_fsync_of_an_unlinked_open_file_returns(gateway_factory, tmp_path):
+    """Found by the evictions model's hunt (random, seed 10 x 100, writeback data path): with
+    --fsync=remote, fdatasync of a file unlinked while open waited forever. The unlink queued
+    the file (its name is to be deleted from the bucket), the fsync asked for it urgently, and
+    the drain never uploads a file without a name, so the wait for its pending entry to clear
+    never ended. A file with no name has nothing to put in the bucket: the local fsync is the
+    whole answer, as on a local filesystem."""
+    config = tmp_path / "ckptfs.toml"
+    config.write_text("[drain]\nsettle_seconds = 0\n")
+    gw = gateway_factory(extra_args=("--config", str(config), "--fsync", "remote"))
+    path = gw.mnt / "tmp.pt"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 4096)
+        os.fsync(fd)  # named: returns once the file is in the bucket
+        assert (gw.bucket / "tmp.pt").read_bytes() == b"x" * 4096
+        os.unlink(path)
+        os.write(fd, b"y")
+        done = threading.Event()
+        outcome: list = []
+
+        def sync():
+            try:
+                os.fdatasync(fd)
+                outcome.append("ok")
+            except OSError as exc:
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=sync, daemon=True).start()
+        assert done.wait(30), "fdatasync of an unlinked file still waits after 30 s"
+        assert outcome == ["ok"]
+    finally:
+        os.close(fd)
+    assert gw.alive
