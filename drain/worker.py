@@ -1442,6 +1442,13 @@ class Drain:
                 owner_inode = txn.get_inode(owner)
                 if owner_inode is None or owner_inode.nlink == 0:
                     owner = None
+            if (is_live and owner is None and key.endswith("/") and not txn.dir_is_empty(live)
+                    and (txn.get_remote(live) is None or txn.get_remote(live).key != key)):
+                # Another directory's old marker at a name this directory has taken since
+                # (``RENAME_EXCHANGE`` of two directories): it carries the other one's mode and
+                # owner, and this directory, holding files, puts none over it. Deleted: if
+                # this one empties later, it puts its own (drain model seed 431).
+                is_live = False
             if is_live and owner is None and not key.endswith("/") and schedule.is_marker(key, self.markers):
                 # The name is a marker again, not uploaded yet (a new save): the old marker
                 # must not stay visible next to the new shards meanwhile.

@@ -948,3 +948,31 @@ def test_an_upload_cut_off_before_a_hard_link_that_sorts_first_leaves_no_multipa
     assert denv.open_uploads() == []
     assert {k: denv.object_bytes(k) for k in denv.listing() if not k.endswith("/")} == {"b/a": data, "c": data}
     assert denv.pending() == {} and denv.tombstones() == {}
+
+
+SEED_431_STEPS = """\
+mkdir(path='c')
+rename_dir(flags=0, new='a', old='c')
+mkdir(path='d')
+chmod(mode=384, path='a')
+drain_some(budget=9)
+rename_dir(flags=2, new='a', old='d')
+write_file(data=bytes([170]) * (PART + 4096), path='d/d')
+drain_until_empty()
+other_node_deletes(path='d/d')
+"""
+
+
+def test_a_marker_kept_where_another_directory_took_the_name_gets_that_directorys_mode(tmp_path):
+    """Found by the drain model (seed 431, 60 x 120; shrunk from 121 steps to 9), replayed
+    here as the model ran it (its checks included). ``RENAME_EXCHANGE`` of two directories
+    whose markers were in the bucket, the one now at ``d`` (mode 0600) holding a file: it put
+    no marker, and the other's old marker ``d/`` (0755) stayed, because its delete was dropped
+    while ``d`` was live as a directory, though nobody owned it. Once another node deleted the
+    file, ``d`` was empty and its marker showed 0755 for ever. Such a marker is now deleted;
+    the directory puts its own when it empties."""
+    from test_model_drain import replay
+
+    steps = tmp_path / "seed431.steps"
+    steps.write_text(SEED_431_STEPS)
+    replay(str(steps))  # raises what the model's check raised ("AssertionError: d/" before the fix)
