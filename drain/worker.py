@@ -1443,7 +1443,7 @@ class Drain:
                 if owner_inode is None or owner_inode.nlink == 0:
                     owner = None
             if (is_live and owner is None and key.endswith("/") and not txn.dir_is_empty(live)
-                    and (txn.get_remote(live) is None or txn.get_remote(live).key != key)):
+                    and getattr(txn.get_remote(live), "key", None) != key):
                 # Another directory's old marker at a name this directory has taken since
                 # (``RENAME_EXCHANGE`` of two directories): it carries the other one's mode and
                 # owner, and this directory, holding files, puts none over it. Deleted: if

@@ -89,12 +89,7 @@ def granted() -> bool:
     False before INIT was handled, when ``Operations.enable_passthrough`` was not set, when the
     kernel did not offer it, or when pyfuse3 is not patched.
     """
-    try:
-        import pyfuse3
-    except ImportError:
-        return False
-    fn = getattr(pyfuse3, "passthrough_enabled", None)
-    return bool(fn()) if fn is not None else False
+    return _negotiated("passthrough_enabled")
 
 
 def direct_io_mmap_granted() -> bool:
@@ -103,11 +98,16 @@ def direct_io_mmap_granted() -> bool:
     ``Operations.enable_direct_io_mmap``. Without it ``mmap(MAP_SHARED)`` of such a file fails
     with ENODEV. False before INIT, or with a pyfuse3 that predates this part of the patch.
     """
+    return _negotiated("direct_io_mmap_enabled")
+
+
+def _negotiated(query: str) -> bool:
+    """The answer of the patched pyfuse3's ``query()`` (False without pyfuse3 or the query)."""
     try:
         import pyfuse3
     except ImportError:
         return False
-    fn = getattr(pyfuse3, "direct_io_mmap_enabled", None)
+    fn = getattr(pyfuse3, query, None)
     return bool(fn()) if fn is not None else False
 
 
