@@ -1442,12 +1442,13 @@ class Drain:
                 owner_inode = txn.get_inode(owner)
                 if owner_inode is None or owner_inode.nlink == 0:
                     owner = None
-            if (is_live and owner is None and key.endswith("/") and not txn.dir_is_empty(live)
-                    and getattr(txn.get_remote(live), "key", None) != key):
-                # Another directory's old marker at a name this directory has taken since
-                # (``RENAME_EXCHANGE`` of two directories): it carries the other one's mode and
-                # owner, and this directory, holding files, puts none over it. Deleted: if
-                # this one empties later, it puts its own (drain model seed 431).
+            if is_live and owner is None and key.endswith("/") and not txn.dir_is_empty(live):
+                # A marker no live inode owns (the directory there now would own it: the
+                # ``remote_keys`` index), e.g. another directory's old marker at a name this
+                # one has taken since (``RENAME_EXCHANGE`` of two directories): it carries the
+                # other one's mode and owner, and this directory, holding files, puts none
+                # over it. Deleted: if this one empties later, it puts its own (drain model
+                # seed 431).
                 is_live = False
             if is_live and owner is None and not key.endswith("/") and schedule.is_marker(key, self.markers):
                 # The name is a marker again, not uploaded yet (a new save): the old marker

@@ -285,8 +285,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             mode = "writeback"
         log.info("data path: %s (%s)", mode, data_path_why if mode == data_path else "not granted at INIT")
         if mode == "passthrough":
-            # Opens the gateway serves (files being fetched) skip the mount's page cache, if
-            # they can still be mapped that way.
+            # Opens the gateway serves (files being fetched, writers under cache pressure) skip
+            # the mount's page cache, if they can still be mapped that way.
             ops.direct_served_io = passthrough.direct_io_mmap_granted()
             log.info("files being fetched are opened with %s", "direct I/O" if ops.direct_served_io else
                      "the page cache (the kernel did not grant FUSE_DIRECT_IO_ALLOW_MMAP)")
