@@ -77,6 +77,12 @@ class CkptOperations(pyfuse3.Operations):
     # Measured: the kernel writeback cache lets writes arrive as 1 MiB requests and
     # return to the writer at page-cache speed (docs/DESIGN.md).
     enable_writeback_cache = True
+    # With the writeback cache, O_TRUNC must come as a SETATTR the kernel applies under the
+    # inode lock: atomic O_TRUNC truncates the kernel's side in a second, silent step, and a
+    # truncate or write by another process in between is undone in the kernel only (the
+    # kernel's size then differs from the cache file's for good). Passthrough keeps it: there
+    # the cache file is what the kernel reads, so nothing diverges. See native/*.patch.
+    atomic_o_trunc_with_writeback_cache = False
     supports_dot_lookup = True
 
     def __init__(self, core: FsCore, *, fsync_hook=None, on_init=None):

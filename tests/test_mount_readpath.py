@@ -142,6 +142,24 @@ def test_writing_a_remote_file_fetches_it_first(gateway_factory):
     assert os.getxattr(path, "user.ckptfs.state") == b"dirty"
 
 
+def test_a_remote_file_rewritten_with_o_trunc_holds_only_the_new_bytes(gateway_factory, data_path):
+    gw = gateway_factory()
+    data = os.urandom(3 * MiB)
+    remote_files(gw, {"latest.pt": data})
+    path = gw.mnt / "latest.pt"
+    with open(path, "wb") as f:  # torch.save over the last checkpoint
+        f.write(b"new checkpoint")
+    assert path.read_bytes() == b"new checkpoint"
+    assert os.getxattr(path, "user.ckptfs.state") == b"dirty"
+    if data_path == "passthrough":
+        # O_TRUNC reaches the gateway with the open: none of the old content is fetched. The
+        # writeback data path fetches it first, like any open for writing (docs/SEMANTICS.md).
+        assert metric(gw, "ckptfs_bucket_get_bytes_total") == 0
+    gw.stop()
+    gw.start()
+    assert path.read_bytes() == b"new checkpoint"
+
+
 def test_prefetch_warms_a_checkpoint_directory(gateway_factory):
     gw = gateway_factory()
     (gw.mnt / "step_100").mkdir()
