@@ -529,10 +529,15 @@ class FsCore:
                 raise FsError(errno.EISDIR)
             if not inode.is_reg:
                 raise FsError(errno.EINVAL)
-            if inode.state == FileState.REMOTE and (flags & os.O_TRUNC or flags & os.O_ACCMODE != os.O_RDONLY):
-                # Written locally from now on: O_TRUNC needs none of the old content, any other
-                # open for writing gets all of it first (an ordinary local file after that).
-                # Then read the inode again: the evictor may have taken it back meanwhile.
+            writable = flags & os.O_ACCMODE != os.O_RDONLY
+            if inode.state == FileState.REMOTE and (flags & os.O_TRUNC
+                                                     or (writable and self._state.backing is not None)):
+                # Written locally from now on: O_TRUNC needs none of the old content; a
+                # passthrough open for writing gets all of it first, since its writes bypass
+                # the gateway (an ordinary local file after that). Then read the inode again:
+                # the evictor may have taken it back meanwhile. On the writeback data path
+                # O_TRUNC comes after the open, as a SETATTR (gateway/fuse_ops.py), so an open
+                # for writing fetches nothing yet: :meth:`write` fetches before the first write.
                 if flags & os.O_TRUNC:
                     self.setattr(ino, SetattrRequest(size=0))
                 else:
@@ -543,9 +548,9 @@ class FsCore:
             except EvictedMeanwhile:
                 continue
             break
-        # libfuse negotiates atomic_o_trunc: O_TRUNC arrives here instead of as a setattr,
-        # and the kernel has already set its size to 0. Linux truncates with O_RDONLY too
-        # (the kernel checked write permission), so must we, or old bytes come back.
+        # Passthrough mode negotiates atomic O_TRUNC: O_TRUNC arrives here instead of as a
+        # setattr, and the kernel has already set its size to 0. Linux truncates with O_RDONLY
+        # too (the kernel checked write permission), so must we, or old bytes come back.
         if flags & os.O_TRUNC:
             try:
                 self.setattr(ino, SetattrRequest(size=0), fh)
@@ -561,7 +566,20 @@ class FsCore:
         return self._files.read(fh, offset, size)
 
     def write(self, fh: int, offset: int, data) -> int:
+        remote = self._files.handle(fh).open_file.remote
+        if remote is not None and not remote.local:
+            self._fetch_before_writing(fh, remote)
         return self._files.write(fh, offset, data)
+
+    def _fetch_before_writing(self, fh: int, remote) -> None:
+        """The first write to a file opened while REMOTE (writeback data path, see :meth:`open`):
+        fetch and check all of it, as an open for writing in passthrough mode does. Its cache
+        file is the file's own from then on: reads stop going through the fetcher."""
+        self.fetch(self._files.handle(fh).ino)
+        self._state.fetcher.detach(remote.ino)
+        with remote.cond:
+            remote.local = True
+            remote.cond.notify_all()
 
     def flush(self, fh: int) -> None:
         self._files.flush(fh)

@@ -208,19 +208,55 @@ def test_object_without_blake3_has_nothing_to_check(env):
     assert env.state(ino) == FileState.CACHED_CLEAN
 
 
-def test_open_for_writing_fetches_the_whole_file_first(env):
+def test_writing_a_remote_file_fetches_it_whole_before_the_first_write(env):
     data = payload(3 * MIB)
     ino = env.remote(b"rw", data)
     core = env.core
     fh = core.open(ino, os.O_WRONLY)
-    assert env.store.fetched_bytes() == len(data)
+    # Writeback data path: the kernel's O_TRUNC, if any, comes after the open (a SETATTR),
+    # so the open fetches nothing yet.
+    assert env.store.fetched_bytes() == 0
     core.write(fh, 10, b"XYZ")
+    assert env.store.fetched_bytes() == len(data)
     core.release(fh)
     with env.meta.read() as txn:
         assert txn.get_inode(ino).state == FileState.DIRTY and txn.get_pending(ino) is not None
     fh = core.open(ino, os.O_RDONLY)
     assert read_all(core, fh, len(data)) == data[:10] + b"XYZ" + data[13:]
     core.release(fh)
+
+
+def test_an_open_for_writing_then_truncated_to_zero_fetches_nothing(env):
+    """The kernel's O_TRUNC on the writeback data path: an open without O_TRUNC, then a
+    SETATTR of size 0 (atomic O_TRUNC is off there: see gateway/fuse_ops.py)."""
+    ino = env.remote(b"tr", payload(3 * MIB))
+    core = env.core
+    fh = core.open(ino, os.O_WRONLY)
+    core.setattr(ino, SetattrRequest(size=0))
+    core.write(fh, 0, b"new")
+    core.release(fh)
+    assert env.store.gets == []
+    assert core.getattr(ino).size == 3
+    fh = core.open(ino, os.O_RDONLY)
+    assert core.read(fh, 0, 100) == b"new"
+    core.release(fh)
+    with env.meta.read() as txn:
+        assert txn.get_inode(ino).state == FileState.DIRTY
+
+
+def test_a_read_write_handle_reads_through_then_fetches_the_rest_at_its_first_write(env):
+    data = payload(3 * MIB)
+    ino = env.remote(b"rw", data)
+    core = env.core
+    fh = core.open(ino, os.O_RDWR)
+    assert core.read(fh, 0, 100) == data[:100]
+    assert env.store.fetched_bytes() < len(data)
+    core.write(fh, 2 * MIB, b"XYZ")
+    assert env.store.fetched_bytes() == len(data)
+    assert read_all(core, fh, len(data)) == data[:2 * MIB] + b"XYZ" + data[2 * MIB + 3:]
+    core.release(fh)
+    with env.meta.read() as txn:
+        assert txn.get_inode(ino).state == FileState.DIRTY
 
 
 def test_open_with_o_trunc_fetches_nothing(env):
