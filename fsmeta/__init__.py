@@ -8,7 +8,7 @@ if __name__ != "ckptfs.fsmeta":  # e.g. a source tree on sys.path: one module un
 
 from .records import FileState, Inode, PartRecord, PendingRecord, RemoteRecord, UploadPhase, UploadRecord
 from .schema import ROOT_INO
-from .store import MetaStore, WouldBlock
+from .store import MetaStore
 from .txn import Txn
 
 __all__ = [
@@ -22,5 +22,4 @@ __all__ = [
     "Txn",
     "UploadPhase",
     "UploadRecord",
-    "WouldBlock",
 ]

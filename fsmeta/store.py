@@ -31,10 +31,6 @@ Rules this module enforces (why, briefly):
   order they were made. LMDB ties a write transaction to the thread that began it
   (the writer mutex), so only the committer thread begins and commits the batch;
   writers and readers use it in turn under ``_batch_lock``.
-* :meth:`MetaStore.read_nowait` is :meth:`MetaStore.read` for a thread that must not
-  wait (the gateway's trio loop): it raises :class:`WouldBlock` instead of waiting for
-  the batch (a writer's nested transaction, a commit's fdatasync) or a remap. A read
-  of mapped pages does no disk I/O worth waiting for; the waits are what it refuses.
 """
 
 from __future__ import annotations
@@ -59,10 +55,6 @@ DEFAULT_MAP_SIZE = 1 << 30  # grows on demand; address space only, not disk
 MAX_MAP_SIZE = 1 << 40
 READER_CHECK_SECONDS = 30.0
 BATCH_IDLE_SECONDS = 0.002  # a batch with no write for this long is committed early
-
-
-class WouldBlock(Exception):
-    """A ``*_nowait`` call could not answer without waiting: do it the blocking way instead."""
 
 
 class _Committer(threading.Thread):
@@ -197,12 +189,10 @@ class _TxnGate:
         self._held = threading.local()
 
     @contextlib.contextmanager
-    def shared(self, *, wait: bool = True) -> Iterator[None]:
+    def shared(self) -> Iterator[None]:
         depth = getattr(self._held, "depth", 0)
         with self._cond:
             while depth == 0 and (self._remapping or self._remaps_waiting):
-                if not wait:
-                    raise WouldBlock
                 self._cond.wait()
             self._live += 1
         self._held.depth = depth + 1
@@ -333,35 +323,6 @@ class MetaStore:
                 return
         with self._txn(write=False) as raw:
             yield Txn(raw, self.dbs, write=False)
-
-    @contextlib.contextmanager
-    def read_nowait(self) -> Iterator[Txn]:
-        """:meth:`read` (the open batch included) without waiting: raises :class:`WouldBlock`
-        if a writer or a commit holds the batch, or the map is being resized."""
-        if not self._batch_lock.acquire(blocking=False):
-            raise WouldBlock
-        try:
-            batch = self._batch
-            if batch is not None:
-                self._batch_depth.n = getattr(self._batch_depth, "n", 0) + 1
-                try:
-                    yield Txn(batch, self.dbs, write=False)
-                finally:
-                    self._batch_depth.n -= 1
-                return
-            # No batch open (and none can open while we hold the lock): every write made
-            # so far is committed, so a plain read transaction sees them all.
-            with self._gate.shared(wait=False):
-                try:
-                    raw = self.env.begin(write=False)
-                except lmdb.MapResizedError:
-                    raise WouldBlock from None  # the blocking path adopts the new size
-                try:
-                    yield Txn(raw, self.dbs, write=False)
-                finally:
-                    raw.abort()
-        finally:
-            self._batch_lock.release()
 
     @contextlib.contextmanager
     def read_committed(self) -> Iterator[Txn]:

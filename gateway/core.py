@@ -1,9 +1,7 @@
 """The filesystem core: POSIX semantics over fsmeta and the cache directory.
 
-Synchronous and thread-safe: the FUSE layer calls every method from a worker
-thread (``gateway/workers.py``), except the ``*_nowait`` ones, which it tries first on its
-trio loop (they read fsmeta without waiting, or raise WouldBlock having changed nothing);
-tests call it directly, without FUSE.
+Synchronous and thread-safe: the FUSE handlers call every method from the front end's
+threads (``gateway/fuse_ops.py``); tests call it directly, without FUSE.
 
 Data of a regular file lives in the sparse cache file ``CACHE/data/<ino hex>``;
 attributes, names and durability state live in fsmeta. :class:`FsCore` is the
@@ -30,7 +28,7 @@ import stat
 import time
 from dataclasses import dataclass
 
-from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, WouldBlock, durability
+from ckptfs.fsmeta import FileState, Inode, MetaStore, Txn, durability
 from ckptfs.fsmeta.layout import CacheDir
 
 from . import datapath, recovery
@@ -201,33 +199,20 @@ class FsCore:
     def _attr(self, inode: Inode) -> Attr:
         """Attributes as the kernel must see them: an open file's size/times are in memory."""
         with self._state.lock:
-            return self._attr_locked(inode, may_stat=True)
+            return self._attr_locked(inode)
 
-    def _attr_locked(self, inode: Inode, *, may_stat: bool) -> Attr:
-        """:meth:`_attr` with ``CoreState.lock`` held. Without ``may_stat``, raise WouldBlock
-        where the cache file would have to be looked at (an open file in passthrough mode)."""
+    def _attr_locked(self, inode: Inode) -> Attr:
+        """:meth:`_attr` with ``CoreState.lock`` held."""
         of = self._open.get(inode.ino)
         size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
         if of is not None:
             if self._state.backing is not None and of.remote is None:
-                if not may_stat:
-                    raise WouldBlock
                 datapath.refresh(of)  # writes went straight to the cache file
             size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
             size = len(inode.target)
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, size,
                     inode.atime_ns, mtime, ctime, inode.rdev)
-
-    @contextlib.contextmanager
-    def _state_lock_nowait(self):
-        """``CoreState.lock``, or WouldBlock if another thread holds it (it may be doing I/O)."""
-        if not self._state.lock.acquire(blocking=False):
-            raise WouldBlock
-        try:
-            yield
-        finally:
-            self._state.lock.release()
 
     def entry_timeout(self, parent: int) -> float:
         """Seconds the kernel may keep what a reply says about a name in ``parent`` (that it
@@ -251,23 +236,7 @@ class FsCore:
             ino = self._lookup_ino(txn, parent, name, listed_now)
             inode = need_inode(txn, ino)
         with self._state.lock:
-            attr = self._attr_locked(inode, may_stat=True)
-            self._lookups.count(ino)
-        return attr
-
-    def lookup_nowait(self, parent: int, name: bytes) -> Attr:
-        """:meth:`lookup` for the trio loop: answers from fsmeta, or raises WouldBlock where
-        ``lookup`` would list the bucket (the directory's listing is stale), wait for a lock
-        or look at a cache file. Raising WouldBlock leaves nothing changed."""
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)
-        if name not in (b".", b"..") and self.remote.enabled and not self.remote.is_fresh(parent):
-            raise WouldBlock
-        with self.meta.read_nowait() as txn:
-            ino = self._lookup_ino(txn, parent, name, False)
-            inode = need_inode(txn, ino)
-        with self._state_lock_nowait():
-            attr = self._attr_locked(inode, may_stat=False)
+            attr = self._attr_locked(inode)
             self._lookups.count(ino)
         return attr
 
@@ -290,42 +259,13 @@ class FsCore:
             for ino in inos:
                 self._lookups.count(ino)
 
-    def count_lookups_nowait(self, inos: list[int]) -> None:
-        """:meth:`count_lookups` for the trio loop, or WouldBlock (nothing counted)."""
-        with self._state_lock_nowait():
-            self.count_lookups(inos)  # (the lock is reentrant)
-
     def forget(self, items: list[tuple[int, int]]) -> None:
         self._lookups.forget(items)
-
-    def forget_nowait(self, items: list[tuple[int, int]]) -> list[int]:
-        """:meth:`forget` for the trio loop: drops the kernel's references and returns the
-        inodes that may need purging (an fsmeta write: :meth:`purge_unreferenced`, in a
-        worker thread). WouldBlock (nothing changed) if the state lock is busy."""
-        with self._state_lock_nowait():
-            candidates = self._lookups.drop(items)
-        # From here on nothing may raise WouldBlock: the references are gone already.
-        try:
-            with self.meta.read_nowait() as txn:
-                return [ino for ino in candidates if (inode := txn.get_inode(ino)) is not None and inode.nlink == 0]
-        except WouldBlock:
-            return candidates  # purge_if_unlinked looks again
-
-    def purge_unreferenced(self, inos: list[int]) -> None:
-        for ino in inos:
-            self._lookups.purge_if_unlinked(ino)
 
     def getattr(self, ino: int) -> Attr:
         with self.meta.read() as txn:
             inode = need_inode(txn, ino)
         return self._attr(inode)
-
-    def getattr_nowait(self, ino: int) -> Attr:
-        """:meth:`getattr` for the trio loop, or WouldBlock (see :meth:`lookup_nowait`)."""
-        with self.meta.read_nowait() as txn:
-            inode = need_inode(txn, ino)
-        with self._state_lock_nowait():
-            return self._attr_locked(inode, may_stat=False)
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
         while True:

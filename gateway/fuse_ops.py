@@ -1,260 +1,202 @@
-"""The pyfuse3 ``Operations``: decode, call the core in a worker thread, map the error, count.
+"""The FUSE handlers: decode, call the core, map the error, count.
 
-pyfuse3 ends its main loop on any exception that is not ``FUSEError``, so every
-handler goes through :meth:`CkptOperations._call`, which turns an unexpected
-exception into EIO, a log line and a counter.
+The front end is ``ckptfs_fuse`` (``native/ckptfs_fuse.c``): a pool of C threads reads
+``/dev/fuse``, and each request calls one method of :class:`CkptOperations` in the thread
+that read it, holding the GIL only while Python runs. The core is synchronous and
+thread-safe, so a handler calls it directly: there is no event loop and no hop to another
+thread on the path of a request (docs/DESIGN.md, "Metadata operation performance").
 
-Requests that only read fsmeta (lookup, getattr, forget's bookkeeping) are first tried on
-the trio loop itself (the core's ``*_nowait`` methods: an LMDB read of mapped pages, no
-lock that another thread may hold while doing I/O); only when that would wait do they take
-the worker-thread hop (``gateway/workers.py``), which costs about as much as the request
-itself (docs/DESIGN.md).
+A handler answers by returning (the shapes are listed at each method) or by raising
+``FuseError(errno)``. Every handler goes through :func:`_answer`, which counts and times the
+request and turns anything else it raises into an errno: a core ``FsError`` keeps its errno,
+an ``OSError`` of the cache device keeps its errno (ENOSPC, EIO), and an unexpected exception
+becomes EIO, a log line and a counter. The C side never sees another exception; if one got
+through anyway, it calls :meth:`CkptOperations.unexpected` and answers EIO.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import functools
 import logging
 import os
-import time
 
-import pyfuse3
-
-from ckptfs.fsmeta import WouldBlock
+from ckptfs_fuse import ROOT_INODE, FuseError
 
 from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
 from .errors import FsError
-from .workers import Workers
 
 log = logging.getLogger("ckptfs.fuse")
 
 ATTR_TIMEOUT = 1.0
+BLKSIZE = 1 << 20  # st_blksize: Python's buffered files read and write this much at a time
 CACHE_DIR_XATTR = os.fsencode(mountpoint.CACHE_DIR_XATTR)
 
 
-def _caller(ctx) -> Caller:
-    return Caller(uid=ctx.uid, gid=ctx.gid, umask=ctx.umask, pid=ctx.pid)
+def _entry(attr: Attr, entry_timeout: float = 0.0) -> tuple:
+    """An entry for a reply (the tuple native/ckptfs_fuse.c reads); ``entry_timeout`` only
+    matters in replies about a name (lookup, create, mkdir, ..., readdirplus): how long the
+    kernel may keep the name without asking. Inode numbers are never reused (generation 0)."""
+    return (attr.ino, entry_timeout, ATTR_TIMEOUT, attr.mode, attr.nlink, attr.uid, attr.gid, attr.rdev,
+            attr.size, BLKSIZE, attr.blocks, attr.atime_ns, attr.mtime_ns, attr.ctime_ns)
 
 
-def _entry(attr: Attr, entry_timeout: float = 0.0) -> pyfuse3.EntryAttributes:
-    """Attributes for a reply; ``entry_timeout`` only matters in replies about a name (lookup,
-    create, mkdir, ..., readdirplus): how long the kernel may keep the name without asking."""
-    entry = pyfuse3.EntryAttributes()
-    entry.st_ino = attr.ino
-    entry.generation = 0  # inode numbers are never reused
-    entry.entry_timeout = entry_timeout
-    entry.attr_timeout = ATTR_TIMEOUT
-    entry.st_mode = attr.mode
-    entry.st_nlink = attr.nlink
-    entry.st_uid = attr.uid
-    entry.st_gid = attr.gid
-    entry.st_rdev = attr.rdev
-    entry.st_size = attr.size
-    entry.st_blksize = 1 << 20
-    entry.st_blocks = attr.blocks
-    entry.st_atime_ns = attr.atime_ns
-    entry.st_mtime_ns = attr.mtime_ns
-    entry.st_ctime_ns = attr.ctime_ns
-    return entry
-
-
-def _negative_entry(entry_timeout: float) -> pyfuse3.EntryAttributes:
+def _negative_entry(entry_timeout: float) -> tuple:
     """A lookup's answer "no such name" that the kernel keeps for ``entry_timeout`` seconds
     (a negative dentry), instead of asking again at the next lookup of the name."""
-    entry = pyfuse3.EntryAttributes()
-    entry.st_ino = 0
-    entry.entry_timeout = entry_timeout
-    return entry
+    return (0, entry_timeout)
 
 
 def _errname(code: int) -> str:
     return errno.errorcode.get(code, str(code))
 
 
-class CkptOperations(pyfuse3.Operations):
-    # Measured: the kernel writeback cache lets writes arrive as 1 MiB requests and
-    # return to the writer at page-cache speed (docs/DESIGN.md).
-    enable_writeback_cache = True
+def _failure(op: str, exc: BaseException) -> FuseError:
+    """The errno FUSE answers for what a handler raised, counted (and logged if unexpected)."""
+    if isinstance(exc, FuseError):
+        metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
+        return exc
+    if isinstance(exc, FsError):
+        metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
+        return FuseError(exc.errno)
+    if isinstance(exc, OSError):
+        # Cache-device errors (ENOSPC, EIO) are passed through as they are.
+        code = exc.errno or errno.EIO
+        metrics.FUSE_ERRORS.labels(op, _errname(code)).inc()
+        log.warning("%s: cache I/O error: %s", op, exc)
+        return FuseError(code)
+    metrics.FUSE_UNEXPECTED.labels(op).inc()
+    metrics.FUSE_ERRORS.labels(op, "EIO").inc()
+    log.error("%s failed unexpectedly; answered EIO", op, exc_info=exc)
+    return FuseError(errno.EIO)
+
+
+def _answer(op: str):
+    """Turn whatever a handler of ``op`` raises into a FuseError (counted; the front end counts
+    and times the requests themselves)."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        def answered(self, *args):
+            try:
+                return handler(self, *args)
+            except Exception as exc:
+                raise _failure(op, exc) from None
+        return answered
+    return wrap
+
+
+class CkptOperations:
+    """The ops object of a ``ckptfs_fuse.Session``; every method runs in a front-end thread."""
+
     # With the writeback cache, O_TRUNC must come as a SETATTR the kernel applies under the
     # inode lock: atomic O_TRUNC truncates the kernel's side in a second, silent step, and a
     # truncate or write by another process in between is undone in the kernel only (the
     # kernel's size then differs from the cache file's for good). Passthrough keeps it: there
-    # the cache file is what the kernel reads, so nothing diverges. See native/*.patch.
+    # the cache file is what the kernel reads, so nothing diverges.
     atomic_o_trunc_with_writeback_cache = False
-    supports_dot_lookup = True
 
-    def __init__(self, core: FsCore, *, fsync_hook=None, on_init=None):
-        super().__init__()
+    def __init__(self, core: FsCore, *, fsync_hook=None, on_init=None, on_init_replied=None):
         self.core = core
-        self.fsync_hook = fsync_hook  # --fsync=remote: awaited after a local fsync
-        # Called once the kernel's INIT was handled (passthrough granted or not is known then).
-        # A gateway in passthrough mode sets ``enable_passthrough = True`` on the instance
-        # before pyfuse3.init(); if the kernel does not grant it, the patched pyfuse3 still
-        # negotiates the writeback cache (enable_writeback_cache stays True).
+        self.fsync_hook = fsync_hook  # --fsync=remote: waits for the drain after a local fsync
+        # Called while the kernel's INIT is handled (passthrough granted or not is known then),
+        # and once its reply is in.
         self.on_init = on_init
-        self._metric_children: dict[str, tuple] = {}
-        self._workers = Workers()  # the hop to a worker thread, cheaper than trio.to_thread
+        self.on_init_replied = on_init_replied
         # Passthrough mode: opens the gateway serves use direct I/O. Set at INIT (on_init), once
         # the kernel granted FUSE_DIRECT_IO_ALLOW_MMAP, without which they could not be mapped.
         self.direct_served_io = False
 
-    def init(self):
+    def init(self) -> None:
         if self.on_init is not None:
             self.on_init()
 
-    def _metrics_of(self, op: str):
-        """The request counter and duration histogram of ``op`` (``labels()`` is a dict lookup
-        under a lock; done once per op, not per request)."""
-        children = self._metric_children.get(op)
-        if children is None:
-            children = self._metric_children[op] = (metrics.FUSE_REQUESTS.labels(op), metrics.FUSE_SECONDS.labels(op))
-        return children
+    def init_replied(self) -> None:
+        if self.on_init_replied is not None:
+            self.on_init_replied()
 
-    @staticmethod
-    def _failure(op: str, exc: BaseException) -> pyfuse3.FUSEError:
-        """The errno FUSE answers for what a handler raised, counted (and logged if unexpected)."""
-        if isinstance(exc, pyfuse3.FUSEError):
-            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
-            return exc
-        if isinstance(exc, FsError):
-            metrics.FUSE_ERRORS.labels(op, _errname(exc.errno)).inc()
-            return pyfuse3.FUSEError(exc.errno)
-        if isinstance(exc, OSError):
-            # Cache-device errors (ENOSPC, EIO) are passed through as they are.
-            code = exc.errno or errno.EIO
-            metrics.FUSE_ERRORS.labels(op, _errname(code)).inc()
-            log.warning("%s: cache I/O error: %s", op, exc)
-            return pyfuse3.FUSEError(code)
-        metrics.FUSE_UNEXPECTED.labels(op).inc()
-        metrics.FUSE_ERRORS.labels(op, "EIO").inc()
-        log.error("%s failed unexpectedly; answered EIO", op, exc_info=exc)
-        return pyfuse3.FUSEError(errno.EIO)
+    def unexpected(self, op: str, exc: BaseException) -> None:
+        """An exception the handlers did not turn into a FuseError (a bug): the request was
+        answered EIO."""
+        _failure(op, exc)
 
-    @contextlib.asynccontextmanager
-    async def _answering(self, op: str):
-        """Count and time one request, and turn whatever it raises into the errno FUSE answers.
-
-        pyfuse3 handles only FUSEError: anything else would end its main loop.
-        """
-        requests, seconds = self._metrics_of(op)
-        requests.inc()
-        start = time.perf_counter()
+    def _entry_timeout(self, parent: int) -> float:
+        """:meth:`FsCore.entry_timeout` of ``parent``. Never raises: the reply it is for must
+        still go out."""
         try:
-            yield
-        except Exception as exc:
-            failure = self._failure(op, exc)
-            if failure is exc:
-                raise
-            raise failure from None
-        finally:
-            seconds.observe(time.perf_counter() - start)
-
-    async def _call(self, op: str, fn, *args, nowait=None):
-        """Answer ``op`` with ``fn(*args)`` in a worker thread; with ``nowait``, first try
-        ``nowait(*args)`` on the loop (it raises WouldBlock, changing nothing, when it cannot
-        answer without waiting). Like :meth:`_answering`, without its per-request generator."""
-        requests, seconds = self._metrics_of(op)
-        requests.inc()
-        start = time.perf_counter()
-        try:
-            if nowait is not None:
-                try:
-                    return nowait(*args)
-                except WouldBlock:
-                    pass
-            return await self._workers.run(fn, *args)
-        except Exception as exc:
-            failure = self._failure(op, exc)
-            if failure is exc:
-                raise
-            raise failure from None
-        finally:
-            seconds.observe(time.perf_counter() - start)
-
-    def _entry_timeout(self, parent: int, *, dir_fh: int | None = None) -> float:
-        """:meth:`FsCore.entry_timeout` of ``parent`` (or of the directory open as ``dir_fh``).
-        Never raises: the reply it is for must still go out, and pyfuse3 would end its loop."""
-        try:
-            if dir_fh is not None:
-                parent = self.core.handle_inode(dir_fh)
             return self.core.entry_timeout(parent)
         except Exception:
             log.exception("entry timeout of directory %s failed; using %g s", parent, ENTRY_TIMEOUT_MIN)
             return ENTRY_TIMEOUT_MIN
 
-    # -- names and attributes ---------------------------------------------------------
+    # -- names and attributes: replies are entries ------------------------------------------
 
-    async def lookup(self, parent_inode, name, ctx=None):
+    @_answer("lookup")
+    def lookup(self, parent: int, name: bytes) -> tuple:
         try:
-            attr = await self._call("lookup", self.core.lookup, parent_inode, name, nowait=self.core.lookup_nowait)
-        except pyfuse3.FUSEError as exc:
+            attr = self.core.lookup(parent, name)
+        except FsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
             # Kept by the kernel as long as a positive answer would be (see FsCore.entry_timeout).
-            return _negative_entry(self._entry_timeout(parent_inode))
-        return _entry(attr, self._entry_timeout(parent_inode))
+            return _negative_entry(self._entry_timeout(parent))
+        return _entry(attr, self._entry_timeout(parent))
 
-    async def forget(self, inode_list):
-        # forget has no reply: errors are logged and counted, never raised to pyfuse3
-        items = list(inode_list)
-        try:
-            purge = await self._call("forget", self.core.forget, items, nowait=self.core.forget_nowait)
-        except pyfuse3.FUSEError:
-            return
-        if purge:  # answered on the loop; dropping unlinked inodes is an fsmeta write
-            try:
-                await self._workers.run(self.core.purge_unreferenced, purge)
-            except Exception as exc:  # noqa: BLE001 - no reply to carry it: logged and counted
-                self._failure("forget", exc)
+    @_answer("forget")
+    def forget(self, items: list[tuple[int, int]]) -> None:
+        self.core.forget(items)
 
-    async def getattr(self, inode, ctx=None):
-        return _entry(await self._call("getattr", self.core.getattr, inode, nowait=self.core.getattr_nowait))
+    @_answer("getattr")
+    def getattr(self, ino: int) -> tuple:
+        return _entry(self.core.getattr(ino))
 
-    async def setattr(self, inode, attr, fields, fh, ctx):
-        req = SetattrRequest(
-            mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            size=attr.st_size if fields.update_size else None,
-            atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None,
-        )
-        return _entry(await self._call("setattr", self.core.setattr, inode, req, fh))
+    @_answer("setattr")
+    def setattr(self, ino: int, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, fh) -> tuple:
+        # Each is None unless the request sets it; UTIME_NOW comes resolved.
+        req = SetattrRequest(mode=mode, uid=uid, gid=gid, size=size, atime_ns=atime_ns,
+                             mtime_ns=mtime_ns, ctime_ns=ctime_ns)
+        return _entry(self.core.setattr(ino, req, fh))
 
-    async def readlink(self, inode, ctx):
-        return await self._call("readlink", self.core.readlink, inode)
+    @_answer("readlink")
+    def readlink(self, ino: int) -> bytes:
+        return self.core.readlink(ino)
 
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        attr = await self._call("mknod", self.core.mknod, parent_inode, name, mode, rdev, _caller(ctx))
-        return _entry(attr, self._entry_timeout(parent_inode))
+    @_answer("mknod")
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
+        attr = self.core.mknod(parent, name, mode, rdev, Caller(uid, gid, umask, pid))
+        return _entry(attr, self._entry_timeout(parent))
 
-    async def mkdir(self, parent_inode, name, mode, ctx):
-        attr = await self._call("mkdir", self.core.mkdir, parent_inode, name, mode, _caller(ctx))
-        return _entry(attr, self._entry_timeout(parent_inode))
+    @_answer("mkdir")
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
+        attr = self.core.mkdir(parent, name, mode, Caller(uid, gid, umask, pid))
+        return _entry(attr, self._entry_timeout(parent))
 
-    async def unlink(self, parent_inode, name, ctx):
-        await self._call("unlink", self.core.unlink, parent_inode, name)
+    @_answer("unlink")
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.core.unlink(parent, name)
 
-    async def rmdir(self, parent_inode, name, ctx):
-        await self._call("rmdir", self.core.rmdir, parent_inode, name)
+    @_answer("rmdir")
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self.core.rmdir(parent, name)
 
-    async def symlink(self, parent_inode, name, target, ctx):
-        attr = await self._call("symlink", self.core.symlink, parent_inode, name, target, _caller(ctx))
-        return _entry(attr, self._entry_timeout(parent_inode))
+    @_answer("symlink")
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int, umask: int, pid: int) -> tuple:
+        attr = self.core.symlink(parent, name, target, Caller(uid, gid, umask, pid))
+        return _entry(attr, self._entry_timeout(parent))
 
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        await self._call("rename", self.core.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags)
+    @_answer("rename")
+    def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int) -> None:
+        self.core.rename(parent, name, new_parent, new_name, flags)
 
-    async def link(self, inode, new_parent_inode, new_name, ctx):
-        attr = await self._call("link", self.core.link, inode, new_parent_inode, new_name)
-        return _entry(attr, self._entry_timeout(new_parent_inode))
+    @_answer("link")
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> tuple:
+        attr = self.core.link(ino, new_parent, new_name)
+        return _entry(attr, self._entry_timeout(new_parent))
 
-    # -- files ---------------------------------------------------------------------------
+    # -- files: open replies are (fh, backing_id, keep_cache, direct_io) ---------------------
 
-    def _file_info(self, fh: int) -> pyfuse3.FileInfo:
+    def _opened(self, fh: int) -> tuple:
         # Passthrough: the kernel reads and writes the cache file itself (no keep_cache then).
         # Opens the gateway serves in a passthrough mount (REMOTE files being fetched, writers
         # under cache pressure) fill the FUSE inode's page cache, which passthrough writes to the
@@ -262,119 +204,109 @@ class CkptOperations(pyfuse3.Operations):
         if self.core.passthrough:
             bid = self.core.backing_id(fh)
             if bid:
-                return pyfuse3.FileInfo(fh=fh, backing_id=bid)
+                return (fh, bid, False, False)
             # Served by the gateway (a file being fetched, or a writer under cache-space
             # pressure, gateway/space.py): pages the kernel cached at an earlier such open may be
             # stale after passthrough writes since. With direct I/O (where the kernel allows
             # shared mappings of such files) it caches none: no second copy of a cold read next
             # to the cache file's pages, which later passthrough opens read (docs/DESIGN.md).
-            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=self.direct_served_io)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+            return (fh, 0, False, self.direct_served_io)
+        return (fh, 0, True, False)
 
-    # The reply's FileInfo is made in the worker thread: the backing id is read under
-    # CoreState.lock, which the loop must not wait for (its holders may do I/O).
-    def _opened(self, inode: int, flags: int) -> pyfuse3.FileInfo:
-        return self._file_info(self.core.open(inode, flags))
+    @_answer("open")
+    def open(self, ino: int, flags: int) -> tuple:
+        return self._opened(self.core.open(ino, flags))
 
-    def _created(self, parent_inode: int, name: bytes, mode: int, flags: int, caller) -> tuple:
-        fh, attr = self.core.create(parent_inode, name, mode, flags, caller)
-        return self._file_info(fh), attr
+    @_answer("create")
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, umask: int,
+               pid: int) -> tuple:
+        fh, attr = self.core.create(parent, name, mode, flags, Caller(uid, gid, umask, pid))
+        return (*self._opened(fh), _entry(attr, self._entry_timeout(parent)))
 
-    async def open(self, inode, flags, ctx):
-        return await self._call("open", self._opened, inode, flags)
-
-    async def create(self, parent_inode, name, mode, flags, ctx):
-        info, attr = await self._call("create", self._created, parent_inode, name, mode, flags, _caller(ctx))
-        return info, _entry(attr, self._entry_timeout(parent_inode))
-
-    async def read(self, fh, off, size):
-        data = await self._call("read", self.core.read, fh, off, size)
+    @_answer("read")
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        data = self.core.read(fh, offset, size)
         metrics.READ_BYTES.inc(len(data))
         return data
 
-    async def write(self, fh, off, buf):
-        written = await self._call("write", self.core.write, fh, off, buf)
+    @_answer("write")
+    def write(self, fh: int, offset: int, data: memoryview) -> int:
+        # ``data`` is a view of the front end's buffer, valid during this call only.
+        written = self.core.write(fh, offset, data)
         metrics.WRITE_BYTES.inc(written)
         return written
 
-    async def flush(self, fh):
-        await self._call("flush", self.core.flush, fh)
+    @_answer("flush")
+    def flush(self, fh: int) -> None:
+        self.core.flush(fh)
 
-    async def release(self, fh):
-        await self._call("release", self.core.release, fh)
+    @_answer("release")
+    def release(self, fh: int) -> None:
+        self.core.release(fh)
 
-    async def fsync(self, fh, datasync):
-        async with self._answering("fsync"):
-            await self._workers.run(self.core.fsync, fh, datasync)
-            if self.fsync_hook is not None:
-                await self.fsync_hook(self.core, fh)
+    @_answer("fsync")
+    def fsync(self, fh: int, datasync: bool) -> None:
+        self.core.fsync(fh, datasync)
+        if self.fsync_hook is not None:
+            self.fsync_hook(self.core, fh)
 
-    # -- directories -----------------------------------------------------------------------
+    # -- directories -------------------------------------------------------------------------
 
-    async def opendir(self, inode, ctx):
-        return await self._call("opendir", self.core.opendir, inode)
+    @_answer("opendir")
+    def opendir(self, ino: int) -> int:
+        return self.core.opendir(ino)
 
-    def _listed(self, fh: int, start_id: int) -> tuple[list, float]:
-        """In the worker thread: the entries, and their entry timeout (which needs the
-        directory handle's inode, read under CoreState.lock)."""
+    @_answer("readdir")
+    def readdir(self, fh: int, start_id: int) -> list[tuple[bytes, tuple, int]]:
+        """Entries from ``start_id``: (name, entry, position after it). The front end replies
+        with as many as fit and then calls :meth:`readdir_taken` with those."""
         entries = self.core.readdir(fh, start_id)
-        return entries, self._entry_timeout(0, dir_fh=fh) if entries else 0.0
+        if not entries:
+            return []
+        timeout = self._entry_timeout(self.core.handle_inode(fh))
+        return [(name, _entry(attr, timeout), next_id) for name, attr, next_id in entries]
 
-    async def readdir(self, fh, start_id, token):
-        async with self._answering("readdir"):
-            entries, timeout = await self._workers.run(self._listed, fh, start_id)
-            replied = []
-            for name, attr, next_id in entries:
-                if not pyfuse3.readdir_reply(token, name, _entry(attr, timeout), next_id):
-                    break
-                replied.append(attr.ino)
-            if replied:
-                # The kernel takes a reference to each entry it took (readdirplus). Counted
-                # before this reply goes out, so no FORGET of them can come first; in a
-                # worker thread if the state lock is busy.
-                try:
-                    self.core.count_lookups_nowait(replied)
-                except WouldBlock:
-                    await self._workers.run(self.core.count_lookups, replied)
+    def readdir_taken(self, fh: int, inos: list[int]) -> None:
+        # The kernel takes a reference to each entry of a readdirplus reply; counted before the
+        # reply goes out, so no FORGET of them can come first. (Part of the readdir request.)
+        try:
+            self.core.count_lookups(inos)
+        except Exception as exc:
+            raise _failure("readdir", exc) from None
 
-    async def releasedir(self, fh):
-        await self._call("releasedir", self.core.releasedir, fh)
+    @_answer("releasedir")
+    def releasedir(self, fh: int) -> None:
+        self.core.releasedir(fh)
 
-    async def fsyncdir(self, fh, datasync):
-        await self._call("fsyncdir", self.core.fsyncdir, fh, datasync)
+    @_answer("fsyncdir")
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.core.fsyncdir(fh, datasync)
 
-    async def statfs(self, ctx):
-        st = await self._call("statfs", self.core.statfs)
-        out = pyfuse3.StatvfsData()
-        out.f_bsize = st.f_bsize
-        out.f_frsize = st.f_frsize
-        out.f_blocks = st.f_blocks
-        out.f_bfree = st.f_bfree
-        out.f_bavail = st.f_bavail
-        out.f_files = st.f_files
-        out.f_ffree = st.f_ffree
-        out.f_favail = st.f_favail
-        out.f_namemax = 255
-        return out
+    @_answer("statfs")
+    def statfs(self) -> tuple:
+        st = self.core.statfs()
+        return (st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files, st.f_ffree,
+                st.f_favail, 255)
 
-    # -- extended attributes ---------------------------------------------------------------
+    # -- extended attributes -------------------------------------------------------------------
 
-    async def setxattr(self, inode, name, value, ctx):
-        await self._call("setxattr", self.core.setxattr, inode, name, value)
+    @_answer("setxattr")
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int) -> None:
+        # XATTR_CREATE / XATTR_REPLACE are checked in the transaction that sets the value
+        self.core.setxattr(ino, name, value, flags)
 
-    async def getxattr(self, inode, name, ctx):
-        if inode == pyfuse3.ROOT_INODE and name == CACHE_DIR_XATTR:
+    @_answer("getxattr")
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        if ino == ROOT_INODE and name == CACHE_DIR_XATTR:
             return os.fsencode(self.core.cache_dir)
-        if not name.startswith(b"user."):
-            # FUSE clears SB_NOSEC, so the kernel asks for security.capability before
-            # every write(2). Only user.* attributes exist here: answer at once, without a
-            # worker-thread hop and an LMDB transaction per write(2).
-            self._metrics_of("getxattr")[0].inc()
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return await self._call("getxattr", self.core.getxattr, inode, name)
+        if not name.startswith(b"user."):  # (the front end answers these itself: user_xattrs_only)
+            raise FuseError(errno.ENODATA)
+        return self.core.getxattr(ino, name)
 
-    async def listxattr(self, inode, ctx):
-        return await self._call("listxattr", self.core.listxattr, inode)
+    @_answer("listxattr")
+    def listxattr(self, ino: int) -> bytes:
+        return b"".join(name + b"\0" for name in self.core.listxattr(ino))
 
-    async def removexattr(self, inode, name, ctx):
-        await self._call("removexattr", self.core.removexattr, inode, name)
+    @_answer("removexattr")
+    def removexattr(self, ino: int, name: bytes) -> None:
+        self.core.removexattr(ino, name)

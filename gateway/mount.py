@@ -1,4 +1,5 @@
-"""Starting and stopping a mount: checks, cache-directory lock, recovery, the trio main loop.
+"""Starting and stopping a mount: checks, cache-directory lock, recovery, the FUSE front end
+and the trio loop of the background tasks.
 
 ``ckptfs mount`` without ``--foreground`` re-executes itself in the foreground
 in a new session and waits on a pipe until the child has mounted (or says
@@ -19,8 +20,8 @@ import subprocess
 import sys
 import time
 
+import ckptfs_fuse
 import lmdb
-import pyfuse3
 import trio
 
 from ckptfs.drain.factory import open_store_for
@@ -45,6 +46,10 @@ log = logging.getLogger("ckptfs.mount")
 #: the mount's kernel read-ahead (KiB); the kernel's default for FUSE is 128, which makes a
 #: cold sequential read cost a READ request per 128 KiB (DESIGN.md, "Read path performance")
 READ_AHEAD_KB = 4096
+
+#: threads of the FUSE front end: requests may wait long (a fetch, room in the cache), and a
+#: request that finds no idle thread starts another, up to this many
+FUSE_THREADS = 64
 
 
 _MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, \ as \ooo
@@ -265,8 +270,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
              limits.cap, limits.high, limits.low, limits.timeout)
     supervisor = DrainSupervisor(settings)
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
-    if data_path == "passthrough":
-        core.enable_passthrough(passthrough.open_backing, passthrough.close_backing)
+    session: ckptfs_fuse.Session | None = None
 
     def record_data_path(mode: str) -> None:
         meta.write(lambda txn: txn.put_gateway_status(
@@ -275,10 +279,10 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
 
     def on_init() -> None:
         # The kernel's INIT: only now is it known whether passthrough was granted. If not, the
-        # patched pyfuse3 negotiated the writeback cache instead, and the gateway serves
-        # reads and writes as in writeback mode.
+        # front end negotiated the writeback cache instead, and the gateway serves reads and
+        # writes as in writeback mode.
         mode = data_path
-        if mode == "passthrough" and not passthrough.granted():
+        if mode == "passthrough" and not session.passthrough_granted:
             log.error("data path: the kernel did not grant FUSE passthrough at INIT; "
                       "serving reads and writes through the writeback cache instead")
             core.disable_passthrough()
@@ -287,28 +291,36 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         if mode == "passthrough":
             # Opens the gateway serves (files being fetched, writers under cache pressure) skip
             # the mount's page cache, if they can still be mapped that way.
-            ops.direct_served_io = passthrough.direct_io_mmap_granted()
+            ops.direct_served_io = session.direct_io_mmap_granted
             log.info("files being fetched are opened with %s", "direct I/O" if ops.direct_served_io else
                      "the page cache (the kernel did not grant FUSE_DIRECT_IO_ALLOW_MMAP)")
         record_data_path(mode)
-        # runs once INIT's reply is in (this handler returns first)
-        trio.lowlevel.spawn_system_task(functools.partial(trio.to_thread.run_sync, raise_read_ahead, mountpoint, abandon_on_cancel=True))
 
-    ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init)
-    if data_path == "passthrough":
-        ops.enable_passthrough = True  # read by the patched pyfuse3 at INIT
-        ops.enable_direct_io_mmap = True
+    def on_init_replied() -> None:
+        raise_read_ahead(mountpoint)  # the kernel caps it at what INIT's reply said
 
+    ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init, on_init_replied=on_init_replied)
     allow_other = settings.allow_other if settings.allow_other is not None else os.geteuid() == 0
-    options = {"fsname=ckptfs", "subtype=ckptfs", "default_permissions"}
+    options = ["fsname=ckptfs", "subtype=ckptfs", "default_permissions"]
     if allow_other:
-        options.add("allow_other")
+        options.append("allow_other")
     try:
-        pyfuse3.init(ops, mountpoint, options)
+        session = ckptfs_fuse.Session(
+            ops, mountpoint, options,
+            passthrough=data_path == "passthrough",
+            writeback_cache=True,  # where passthrough is not granted
+            atomic_o_trunc=ops.atomic_o_trunc_with_writeback_cache,
+            direct_io_mmap=data_path == "passthrough",
+            max_threads=FUSE_THREADS,
+            user_xattrs_only=True)  # only user.* attributes exist (gateway/xattrs.py)
     except RuntimeError as exc:
         meta.close()
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
+    if data_path == "passthrough":
+        core.enable_passthrough(functools.partial(passthrough.open_backing, fuse_fd=session.fd),
+                                functools.partial(passthrough.close_backing, fuse_fd=session.fd))
     record_data_path(data_path)  # until INIT confirms it (on_init)
+    metrics.watch_fuse(session, ckptfs_fuse.BUCKET_BOUNDS)
     metrics.watch_cache(settings.cache_dir, meta)
     metrics.serve(settings.metrics_addr)
     supervisor.start()
@@ -323,14 +335,20 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                     async for signum in signals:
                         log.info("signal %d: unmounting", signum)
-                        pyfuse3.terminate()
+                        session.exit()
                         return
 
             nursery.start_soon(on_signal)
             nursery.start_soon(supervisor.watch)
             nursery.start_soon(sweep_mapped)
             nursery.start_soon(manage_space)
-            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            # The front end's threads serve requests until the file system is unmounted or a
+            # signal ends them. If this task is cancelled, they are told to end; the session is
+            # destroyed only once they have (Session.destroy waits for them).
+            try:
+                await trio.to_thread.run_sync(session.run, abandon_on_cancel=True)
+            finally:
+                session.exit()
             nursery.cancel_scope.cancel()
 
     async def sweep_mapped() -> None:
@@ -367,9 +385,9 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         status = 1
     finally:
         try:
-            pyfuse3.close(unmount=True)
-        except Exception:  # already unmounted by fusermount3 -u
-            pass
+            session.destroy()  # unmounts, if fusermount3 -u has not
+        except Exception:
+            log.exception("closing the FUSE session failed")
         supervisor.stop()
         bucket.close()
         meta.sync()

@@ -1,6 +1,6 @@
 """Finding the ckptfs mount a path is on, from outside the gateway.
 
-Kept free of pyfuse3, trio and the S3 client so that CLI commands which only talk to a
+Kept free of the FUSE front end, trio and the S3 client so that CLI commands which only talk to a
 mount (``prefetch``, ``status``) start fast.
 """
 

@@ -2,30 +2,28 @@
 
 With passthrough the kernel sends READ, WRITE, splice and mmap of an open file straight to a
 *backing file* (here the cache file) instead of to the daemon; OPEN/CREATE, FLUSH, FSYNC,
-SETATTR, GETATTR and RELEASE still reach the daemon. It needs libfuse >= 3.17, a pyfuse3 with
-``native/pyfuse3-passthrough.patch`` (built by ``scripts/build-fuse.sh``), Linux >= 6.9 with
+SETATTR, GETATTR and RELEASE still reach the daemon. It needs libfuse >= 3.17 under the
+gateway's front end (``ckptfs_fuse``, built by ``scripts/build-fuse.sh``), Linux >= 6.9 with
 ``CONFIG_FUSE_PASSTHROUGH``, and CAP_SYS_ADMIN in the initial user namespace (for the ioctls).
 
-How a file system uses it (the patched pyfuse3 API):
+How the gateway uses it:
 
-- set ``enable_passthrough = True`` on its ``pyfuse3.Operations`` subclass; passthrough then
-  replaces the writeback cache (the kernel refuses passthrough opens with writeback cache);
-- after ``pyfuse3.init()`` and the kernel's INIT (``Operations.init`` has run),
-  ``pyfuse3.passthrough_enabled()`` says whether passthrough was negotiated; if not, serve
-  READ/WRITE in the daemon as before;
-- in ``open``/``create``: ``bid = open_backing(fd_of_cache_file)`` and return
-  ``pyfuse3.FileInfo(fh=..., backing_id=bid)``. The kernel keeps its own reference to the
-  file, so the fd may be closed after ``open_backing``;
+- ``ckptfs_fuse.Session(..., passthrough=True)`` asks for it at INIT, where it replaces the
+  writeback cache (the kernel refuses passthrough opens with the writeback cache);
+  ``Session.passthrough_granted`` says, once INIT was handled, whether the kernel agreed; if
+  not, the gateway serves READ/WRITE itself;
+- in ``open``/``create``: ``bid = open_backing(fd_of_cache_file, fuse_fd=session.fd)`` and the
+  reply carries ``bid``. The kernel keeps its own reference to the file, so the fd may be
+  closed after ``open_backing``;
 - one backing id per inode: every open of an inode while any handle is open must reuse the
   same id (mixing passthrough and plain opens of an inode fails with EIO); count handles and
   ``close_backing(bid)`` when the last one is released (``release``), not after the reply.
 
-This module uses only the standard library and pyfuse3, and imports pyfuse3 lazily.
+This module uses only the standard library, and imports ``ckptfs_fuse`` lazily.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import gzip
@@ -37,9 +35,6 @@ __all__ = [
     "FUSE_DEV_IOC_BACKING_OPEN",
     "FUSE_DEV_IOC_BACKING_CLOSE",
     "probe",
-    "granted",
-    "direct_io_mmap_granted",
-    "session_fd",
     "open_backing",
     "close_backing",
     "libfuse_version",
@@ -70,60 +65,18 @@ _MIN_LIBFUSE = (3, 17)
 _MIN_KERNEL = (6, 9)
 
 
-def session_fd() -> int:
-    """The /dev/fuse fd of the current pyfuse3 session (after ``pyfuse3.init``)."""
-    import pyfuse3
-
-    get = getattr(pyfuse3, "get_session_fd", None)
-    if get is None:
-        raise OSError(errno.ENOTSUP, "pyfuse3 lacks the passthrough patch (no get_session_fd)")
-    try:
-        return get()
-    except RuntimeError as e:  # no session yet
-        raise OSError(errno.ENOTCONN, f"no FUSE session: {e}") from None
-
-
-def granted() -> bool:
-    """Whether the kernel and the file system negotiated passthrough at INIT.
-
-    False before INIT was handled, when ``Operations.enable_passthrough`` was not set, when the
-    kernel did not offer it, or when pyfuse3 is not patched.
-    """
-    return _negotiated("passthrough_enabled")
-
-
-def direct_io_mmap_granted() -> bool:
-    """Whether the kernel allows shared mappings of files opened with direct I/O
-    (FUSE_DIRECT_IO_ALLOW_MMAP, Linux >= 6.6), negotiated at INIT when the file system set
-    ``Operations.enable_direct_io_mmap``. Without it ``mmap(MAP_SHARED)`` of such a file fails
-    with ENODEV. False before INIT, or with a pyfuse3 that predates this part of the patch.
-    """
-    return _negotiated("direct_io_mmap_enabled")
-
-
-def _negotiated(query: str) -> bool:
-    """The answer of the patched pyfuse3's ``query()`` (False without pyfuse3 or the query)."""
-    try:
-        import pyfuse3
-    except ImportError:
-        return False
-    fn = getattr(pyfuse3, query, None)
-    return bool(fn()) if fn is not None else False
-
-
-def open_backing(fd: int, *, fuse_fd: int | None = None) -> int:
+def open_backing(fd: int, *, fuse_fd: int) -> int:
     """Register *fd* (an open regular file) as a passthrough backing file; return its id (> 0).
 
     Pass the id as ``FileInfo.backing_id`` in the open/create reply; release it with
     :func:`close_backing` when the inode's last handle is released. *fd* may be closed once
-    this returns. *fuse_fd* defaults to the current pyfuse3 session's fd.
+    this returns. *fuse_fd* is the session's /dev/fuse fd (``Session.fd``).
     Raises OSError: EPERM without CAP_SYS_ADMIN, EOPNOTSUPP if passthrough was not negotiated,
     ELOOP if the backing file is on a filesystem stacked too deep, EBADF/EINVAL for a bad fd.
     """
-    dev = session_fd() if fuse_fd is None else fuse_fd
     arg = bytearray(_BACKING_MAP.pack(fd, 0, 0))
     try:
-        backing_id = fcntl.ioctl(dev, FUSE_DEV_IOC_BACKING_OPEN, arg, True)
+        backing_id = fcntl.ioctl(fuse_fd, FUSE_DEV_IOC_BACKING_OPEN, arg, True)
     except OSError as e:
         raise OSError(e.errno, f"FUSE_DEV_IOC_BACKING_OPEN(fd={fd}): {os.strerror(e.errno)}") from None
     if backing_id <= 0:  # the kernel returns ids >= 1; 0 would mean "no passthrough"
@@ -131,12 +84,11 @@ def open_backing(fd: int, *, fuse_fd: int | None = None) -> int:
     return backing_id
 
 
-def close_backing(backing_id: int, *, fuse_fd: int | None = None) -> None:
+def close_backing(backing_id: int, *, fuse_fd: int) -> None:
     """Release a backing id from :func:`open_backing` (open files keep the backing file)."""
-    dev = session_fd() if fuse_fd is None else fuse_fd
     arg = bytearray(struct.pack("=I", backing_id))
     try:
-        fcntl.ioctl(dev, FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
+        fcntl.ioctl(fuse_fd, FUSE_DEV_IOC_BACKING_CLOSE, arg, True)
     except OSError as e:
         raise OSError(
             e.errno, f"FUSE_DEV_IOC_BACKING_CLOSE({backing_id}): {os.strerror(e.errno)}"
@@ -144,35 +96,13 @@ def close_backing(backing_id: int, *, fuse_fd: int | None = None) -> None:
 
 
 def libfuse_version() -> str | None:
-    """Version of the libfuse3 that the loaded pyfuse3 extension uses (e.g. "3.17.2").
-
-    Read from the library mapped into this process (so the rpath'd build, not the system's),
-    after importing pyfuse3. None if it cannot be determined.
-    """
+    """Version of the libfuse3 the front end (``ckptfs_fuse``) runs on, e.g. "3.17.2"; None if
+    the front end is not importable."""
     try:
-        import pyfuse3  # noqa: F401  (maps libfuse3 into the process)
+        import ckptfs_fuse
     except ImportError:
         return None
-    paths = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            p = line.split()[-1] if line.strip() else ""
-            if "/libfuse3.so" in p and p not in paths:
-                paths.append(p)
-    for p in paths:
-        try:
-            lib = ctypes.CDLL(p)
-        except OSError:
-            continue
-        fn = getattr(lib, "fuse_pkgversion", None)
-        if fn is not None:
-            fn.restype = ctypes.c_char_p
-            return fn().decode()
-        fn = getattr(lib, "fuse_version", None)
-        if fn is not None:
-            v = fn()
-            return f"{v // 100}.{v % 100}"
-    return None
+    return ckptfs_fuse.LIBFUSE_VERSION
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -222,32 +152,21 @@ def _privilege_reason() -> str | None:
 def probe() -> tuple[bool, str]:
     """Whether passthrough can be used here, before mounting: ``(ok, reason)``.
 
-    Checks CAP_SYS_ADMIN in the initial user namespace, /dev/fuse, a pyfuse3 with the
-    passthrough patch built against libfuse >= 3.17 (version read from the loaded library),
-    and the kernel (version and, when readable, CONFIG_FUSE_PASSTHROUGH). The final word is
-    the kernel's at INIT: :func:`granted` after mounting with ``enable_passthrough``.
+    Checks CAP_SYS_ADMIN in the initial user namespace, /dev/fuse, the front end built
+    against libfuse >= 3.17, and the kernel (version and, when readable,
+    CONFIG_FUSE_PASSTHROUGH). The final word is the kernel's at INIT
+    (``Session.passthrough_granted``).
     """
     reason = _privilege_reason()
     if reason:
         return False, reason
     if not os.path.exists("/dev/fuse"):
         return False, "/dev/fuse is missing"
-    try:
-        import pyfuse3
-    except ImportError as e:
-        return False, f"pyfuse3 is not importable: {e}"
-    if not hasattr(pyfuse3, "HAVE_PASSTHROUGH"):
-        return False, (
-            f"pyfuse3 {getattr(pyfuse3, '__version__', '?')} lacks the passthrough patch "
-            "(run scripts/build-fuse.sh)"
-        )
-    if not pyfuse3.HAVE_PASSTHROUGH:
-        return False, "pyfuse3 was built against libfuse < 3.17 (run scripts/build-fuse.sh)"
     ver = libfuse_version()
     if ver is None:
-        return False, "cannot tell the version of the libfuse3 loaded by pyfuse3"
+        return False, "the FUSE front end ckptfs_fuse is not importable (run scripts/build-fuse.sh)"
     if _version_tuple(ver)[:2] < _MIN_LIBFUSE:
-        return False, f"pyfuse3 loads libfuse {ver} < {'.'.join(map(str, _MIN_LIBFUSE))}"
+        return False, f"the front end runs on libfuse {ver} < {'.'.join(map(str, _MIN_LIBFUSE))}"
     reason = _kernel_reason()
     if reason:
         return False, reason

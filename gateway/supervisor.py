@@ -12,13 +12,15 @@ import errno
 import logging
 import subprocess
 import sys
+import time
 
-import pyfuse3
 import trio
 
 from ckptfs.drain.upload import Backoff
 from ckptfs.fsmeta import durability
 from ckptfs.fsmeta.settings import Settings
+
+from .errors import FsError
 
 log = logging.getLogger("ckptfs.supervisor")
 
@@ -82,17 +84,18 @@ class DrainSupervisor:
             with meta.read() as txn:
                 return durability.remote_fsync_state(txn, ino)
 
-        async def hook(core, fh: int) -> None:
+        def hook(core, fh: int) -> None:
+            # In the front-end thread of the fsync request, which it holds until then.
             ino = core.handle_inode(fh)
             first = True
             while True:
-                state = await trio.to_thread.run_sync(request_and_check, ino, first)
+                state = request_and_check(ino, first)
                 first = False
                 if state == "durable":
                     return
                 if state:  # a permanent upload error: fsync=remote cannot succeed
                     log.error("fsync=remote of inode %d failed: %s", ino, state)
-                    raise pyfuse3.FUSEError(errno.EIO)
-                await trio.sleep(0.05)
+                    raise FsError(errno.EIO, f"fsync=remote: {state}")
+                time.sleep(0.05)
 
         return hook

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# Native set-up for FUSE passthrough: libfuse >= 3.17 and a patched pyfuse3 in the venv.
+# Native set-up: libfuse >= 3.17 and the gateway's FUSE front end (ckptfs_fuse) in the venv.
 #
-# - If the system libfuse (pkg-config fuse3) is >= 3.17, pyfuse3 is built against it.
+# - If the system libfuse (pkg-config fuse3) is >= 3.17, the front end is built against it.
 # - Otherwise (Debian 12 ships 3.14) the source of Debian 13's fuse3 package is fetched with
 #   apt-get source through a private sources list (the system's apt configuration is only
 #   read, never written), and the library alone is built with meson + ninja from PyPI and
 #   installed as a shared library into $VENV/opt/fuse3.
-# - The pyfuse3 sdist from PyPI gets native/pyfuse3-passthrough.patch and is built into the
-#   venv with an rpath to that libfuse.
-# A stamp keyed on the patch, this script and the versions skips everything next time.
+# - native/ckptfs_fuse.c is compiled into the venv's site-packages as the extension module
+#   ckptfs_fuse, with an rpath to that libfuse.
+# A stamp keyed on the source, this script and the versions skips everything next time.
 # Prints one line saying what it did. Usage: scripts/build-fuse.sh [VENV]   (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$(realpath -m "${1:-.venv}")
 PY=$VENV/bin/python
-PATCH=$ROOT/native/pyfuse3-passthrough.patch
-PYFUSE3_VERSION=3.5.0
+SRC=$ROOT/native/ckptfs_fuse.c
 FUSE_MIN=3.17
 FUSE_SUITE=trixie              # Debian release whose fuse3 source package has libfuse >= 3.17
 PREFIX=$VENV/opt/fuse3
@@ -25,14 +24,14 @@ LOG=$VENV/build-fuse.log
 
 [[ -x $PY ]] || { echo "build-fuse: no venv at $VENV (run scripts/setup.sh)" >&2; exit 1; }
 SECONDS=0
-key=$( { cat "$PATCH" "$0"; echo "$PYFUSE3_VERSION $FUSE_SUITE"; } | sha256sum | cut -c1-16)
+key=$( { cat "$SRC" "$0"; echo "$FUSE_SUITE"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 stamp=$VENV/.ckptfs-native-$key
 
-patched_pyfuse3_ok() {
-  "$PY" -c 'import pyfuse3, sys; sys.exit(0 if getattr(pyfuse3, "HAVE_PASSTHROUGH", False) else 1)' 2>/dev/null
+front_end_ok() {
+  "$PY" -c 'import ckptfs_fuse' 2>/dev/null
 }
-if [[ -f $stamp ]] && patched_pyfuse3_ok; then
-  echo "build-fuse: up to date (patched pyfuse3 $PYFUSE3_VERSION, $(cat "$stamp"))"
+if [[ -f $stamp ]] && front_end_ok; then
+  echo "build-fuse: up to date (ckptfs_fuse, $(cat "$stamp"))"
   exit 0
 fi
 
@@ -90,30 +89,24 @@ else
   fuse_desc="libfuse $(cat "$PREFIX/.built") in ${PREFIX#"$ROOT"/}"
 fi
 
-# -- pyfuse3 ---------------------------------------------------------------------------------
-P=$WORK/pyfuse3
-run rm -rf "$P"; mkdir -p "$P"
-# --no-binary for pyfuse3 only: ":all:" would also build its build dependencies (Cython) from
-# source to prepare the metadata, which takes minutes.
-run "$PY" -m pip download -q --no-binary pyfuse3 --no-deps -d "$P" "pyfuse3==$PYFUSE3_VERSION"
-run tar xzf "$P/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$P"
-src=$P/pyfuse3-$PYFUSE3_VERSION
-(cd "$src" && patch -p1 --forward <"$PATCH") >>"$LOG" 2>&1 || fail "the patch does not apply"
-rm -f "$src/src/pyfuse3/__init__.c"       # make Cython regenerate it from the patched .pyx
-# The local version label shows in `pip show pyfuse3`; it still satisfies pyfuse3>=3.3, so the
-# project's own `pip install -e .` leaves this build in place.
-run env PKG_CONFIG_PATH="$fuse_pc_path${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}" \
-  LDFLAGS="$fuse_ldflags${LDFLAGS:+ $LDFLAGS}" \
-  SETUPTOOLS_SCM_PRETEND_VERSION_FOR_PYFUSE3="$PYFUSE3_VERSION+passthrough" \
-  "$PY" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$src"
-# pyfuse3's one dependency, if the venv lacks it.
-"$PY" -c 'import trio' 2>/dev/null || run "$PY" -m pip install -q 'trio>=0.15'
-patched_pyfuse3_ok || fail "the installed pyfuse3 lacks HAVE_PASSTHROUGH"
+# -- the front end ----------------------------------------------------------------------------
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+include=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+[[ -f $include/Python.h ]] || fail "no Python.h in $include (apt-get install python3-dev)"
+fuse_cflags=$(PKG_CONFIG_PATH="$fuse_pc_path${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}" pkg-config --cflags fuse3)
+fuse_libs=$(PKG_CONFIG_PATH="$fuse_pc_path${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}" pkg-config --libs fuse3)
+# Built as a temporary file and renamed: a running gateway keeps the module it mapped.
+# shellcheck disable=SC2086  # the pkg-config flags are word lists
+run cc -O2 -g -Wall -Wextra -Wno-unused-parameter -fPIC -shared -I"$include" $fuse_cflags \
+  "$SRC" -o "$site/ckptfs_fuse$suffix.tmp" $fuse_libs $fuse_ldflags -lpthread
+run mv -f "$site/ckptfs_fuse$suffix.tmp" "$site/ckptfs_fuse$suffix"
+front_end_ok || fail "the built ckptfs_fuse does not import"
 if [[ -n $fuse_pc_path ]]; then   # the extension must load our libfuse (rpath), not the system's
-  "$PY" - "$PREFIX/lib/" >>"$LOG" 2>&1 <<'PY' || fail "pyfuse3 does not load $PREFIX/lib/libfuse3"
-import sys, pyfuse3
+  "$PY" - "$PREFIX/lib/" >>"$LOG" 2>&1 <<'PY' || fail "ckptfs_fuse does not load $PREFIX/lib/libfuse3"
+import sys, ckptfs_fuse
 libs = {l.split()[-1] for l in open("/proc/self/maps") if "libfuse3.so" in l}
-print("pyfuse3 loads", libs)
+print("ckptfs_fuse loads", libs, "libfuse", ckptfs_fuse.LIBFUSE_VERSION)
 sys.exit(0 if libs and all(lib.startswith(sys.argv[1]) for lib in libs) else 1)
 PY
 fi
@@ -121,4 +114,4 @@ run rm -rf "$WORK"              # sources, build trees and build tools (~80 MB) 
 
 rm -f "$VENV"/.ckptfs-native-*
 echo "$fuse_desc" >"$stamp"
-echo "build-fuse: built patched pyfuse3 $PYFUSE3_VERSION against $fuse_desc in ${SECONDS}s"
+echo "build-fuse: built ckptfs_fuse against $fuse_desc in ${SECONDS}s"

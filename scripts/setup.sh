@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# build-essential, python3-dev, dpkg-dev: scripts/build-fuse.sh (libfuse 3.17 + patched pyfuse3)
+# build-essential, python3-dev, dpkg-dev: scripts/build-fuse.sh (libfuse 3.17 + the FUSE front end)
 need_pkgs=(fuse3 libfuse3-dev pkg-config attr python3-venv curl build-essential python3-dev dpkg-dev)
 if [[ "${1:-}" == "--test" ]]; then
   need_pkgs+=(ceph-mon ceph-osd ceph-mgr radosgw ceph-common)
@@ -23,8 +23,7 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
 fi
-# libfuse >= 3.17 and pyfuse3 with FUSE passthrough, before the package install so that the
-# patched pyfuse3 satisfies the pyfuse3 dependency and pip keeps it.
+# libfuse >= 3.17 and the gateway's FUSE front end (native/ckptfs_fuse.c, an extension module).
 scripts/build-fuse.sh .venv >&2
 stamp=.venv/.ckptfs-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then

@@ -25,13 +25,13 @@ def test_a_bare_help_lists_every_command():
     assert subcommands(cli.build_parser()) == set(cli.COMMAND_MODULES)
 
 
-def test_prefetch_starts_without_the_s3_client_pyfuse3_or_the_lifecycle_engine(tmp_path):
+def test_prefetch_starts_without_the_s3_client_the_fuse_front_end_or_the_lifecycle_engine(tmp_path):
     # A prefetch runs right before a resume; the S3 client alone costs ~0.5 s of start-up.
     code = (
         "import sys\n"
         "from ckptfs.cli import main\n"
         f"rc = main(['prefetch', {str(tmp_path)!r}])\n"
-        "heavy = sorted(m for m in ('aiobotocore', 'botocore', 'pyfuse3', 'ckptfs.lifecycle.executor')"
+        "heavy = sorted(m for m in ('aiobotocore', 'botocore', 'ckptfs_fuse', 'ckptfs.lifecycle.executor')"
         " if m in sys.modules)\n"
         "print(rc, heavy)\n"
     )

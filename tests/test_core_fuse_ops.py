@@ -1,4 +1,5 @@
-"""The pyfuse3 layer without a mount: error mapping, EIO for unexpected exceptions."""
+"""The FUSE handlers (gateway/fuse_ops.py) without a mount: replies, error mapping, EIO for
+unexpected exceptions. The front end calls these methods as they are called here."""
 
 from __future__ import annotations
 
@@ -6,24 +7,14 @@ import errno
 import logging
 import os
 
-import pyfuse3
 import pytest
-import trio
+from ckptfs_fuse import FuseError
 
 from conftest import ROOT, ROOT_CALLER
 from ckptfs.gateway import metrics
 from ckptfs.gateway.fuse_ops import CkptOperations
 
-
-class Ctx:
-    uid = 1000
-    gid = 1000
-    umask = 0o022
-    pid = 1
-
-
-def run(fn, *args):
-    return trio.run(fn, *args)
+CALLER = (1000, 1000, 0o022, 1)  # uid, gid, umask, pid as the front end passes them
 
 
 def counter(metric, *labels) -> float:
@@ -33,19 +24,29 @@ def counter(metric, *labels) -> float:
 def test_fs_error_becomes_its_errno_and_is_counted(core):
     ops = CkptOperations(core)
     before = counter(metrics.FUSE_ERRORS, "unlink", "ENOENT")
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        run(ops.unlink, ROOT, b"missing", Ctx())
+    with pytest.raises(FuseError) as exc:
+        ops.unlink(ROOT, b"missing")
     assert exc.value.errno == errno.ENOENT
     assert counter(metrics.FUSE_ERRORS, "unlink", "ENOENT") == before + 1
 
 
 def test_a_lookup_miss_is_a_negative_entry_the_kernel_may_keep(core):
     ops = CkptOperations(core)
-    before = counter(metrics.FUSE_ERRORS, "lookup", "ENOENT")
-    entry = run(ops.lookup, ROOT, b"missing", Ctx())
-    assert entry.st_ino == 0  # "no such name", cached by the kernel for entry_timeout
-    assert entry.entry_timeout == core.entry_timeout(ROOT) >= 1.0
-    assert counter(metrics.FUSE_ERRORS, "lookup", "ENOENT") == before + 1
+    ino, entry_timeout = ops.lookup(ROOT, b"missing")
+    assert ino == 0  # "no such name", cached by the kernel for entry_timeout
+    assert entry_timeout == core.entry_timeout(ROOT) >= 1.0
+
+
+def test_a_lookup_hit_is_an_entry_with_the_attributes(core):
+    ops = CkptOperations(core)
+    fh, attr = core.create(ROOT, b"f", 0o640, os.O_RDWR, ROOT_CALLER)
+    core.write(fh, 0, b"12345")
+    core.release(fh)
+    (ino, entry_timeout, attr_timeout, mode, nlink, uid, gid, rdev, size, blksize, blocks,
+     atime_ns, mtime_ns, ctime_ns) = ops.lookup(ROOT, b"f")
+    assert (ino, mode & 0o7777, nlink, size, blocks) == (attr.ino, 0o640, 1, 5, 1)
+    assert entry_timeout >= 1.0 and attr_timeout > 0 and blksize == 1 << 20
+    assert mtime_ns == core.getattr(attr.ino).mtime_ns
 
 
 def test_a_failing_entry_timeout_still_answers_with_the_minimum(core, monkeypatch, caplog):
@@ -56,8 +57,7 @@ def test_a_failing_entry_timeout_still_answers_with_the_minimum(core, monkeypatc
 
     monkeypatch.setattr(core, "entry_timeout", boom)
     with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
-        entry = run(ops.lookup, ROOT, b"missing", Ctx())
-    assert entry.st_ino == 0 and entry.entry_timeout == 1.0  # the reply still goes out
+        assert ops.lookup(ROOT, b"missing") == (0, 1.0)  # the reply still goes out
     assert any("entry timeout" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
@@ -68,14 +68,23 @@ def test_unexpected_exception_becomes_eio_log_and_counter(core, monkeypatch, cap
         raise RuntimeError("simulated bug")
 
     monkeypatch.setattr(core, "getattr", boom)
-    monkeypatch.setattr(core, "getattr_nowait", boom)  # answered on the trio loop
     before = counter(metrics.FUSE_UNEXPECTED, "getattr")
     with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
-        with pytest.raises(pyfuse3.FUSEError) as exc:
-            run(ops.getattr, ROOT, Ctx())
+        with pytest.raises(FuseError) as exc:
+            ops.getattr(ROOT)
     assert exc.value.errno == errno.EIO
     assert counter(metrics.FUSE_UNEXPECTED, "getattr") == before + 1
     assert any("failed unexpectedly" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_exception_past_the_handlers_is_logged_and_counted(core, caplog):
+    """What the front end calls if a handler let something other than FuseError through."""
+    ops = CkptOperations(core)
+    before = counter(metrics.FUSE_UNEXPECTED, "lookup")
+    with caplog.at_level(logging.ERROR, logger="ckptfs.fuse"):
+        ops.unexpected("lookup", TypeError("an entry must be a tuple"))
+    assert counter(metrics.FUSE_UNEXPECTED, "lookup") == before + 1
+    assert any("failed unexpectedly" in r.getMessage() for r in caplog.records)
 
 
 def test_cache_device_errors_pass_through(core, monkeypatch):
@@ -86,50 +95,81 @@ def test_cache_device_errors_pass_through(core, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(core, "write", full)
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        run(ops.write, fh, 0, b"x")
+    with pytest.raises(FuseError) as exc:
+        ops.write(fh, 0, memoryview(b"x"))
     assert exc.value.errno == errno.ENOSPC
     core.release(fh)
 
 
-def test_forget_never_raises(core, monkeypatch):
+def test_a_write_takes_the_front_ends_buffer_without_keeping_it(core):
+    ops = CkptOperations(core)
+    fh, _ = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
+    buf = bytearray(b"abcdef")
+    view = memoryview(buf)
+    assert ops.write(fh, 0, view) == 6
+    view.release()  # what the front end does after the call: fails if a view was kept
+    buf[:] = b"XXXXXX"  # the front end reuses its buffer for the next request
+    assert ops.read(fh, 0, 6) == b"abcdef"
+    ops.release(fh)
+
+
+def test_forget_errors_are_counted_not_raised_to_a_reply(core, monkeypatch):
     ops = CkptOperations(core)
 
     def boom(*args):
         raise KeyError("bug")
 
     monkeypatch.setattr(core, "forget", boom)
-    monkeypatch.setattr(core, "forget_nowait", boom)
-    run(ops.forget, [(ROOT, 1)])  # forget has no reply: logged and counted only
+    before = counter(metrics.FUSE_UNEXPECTED, "forget")
+    with pytest.raises(FuseError):  # the front end sends no reply to a FORGET whatever happens
+        ops.forget([(ROOT, 1)])
+    assert counter(metrics.FUSE_UNEXPECTED, "forget") == before + 1
 
 
-def test_create_passes_the_caller(core):
+def test_create_passes_the_caller_and_replies_with_handle_and_entry(core):
     ops = CkptOperations(core)
-    info, entry = run(ops.create, ROOT, b"f", 0o666, os.O_WRONLY, Ctx())
-    assert (entry.st_uid, entry.st_gid, entry.st_mode & 0o777) == (1000, 1000, 0o644)
-    run(ops.release, info.fh)
+    fh, backing_id, keep_cache, direct_io, entry = ops.create(ROOT, b"f", 0o100666, os.O_WRONLY, *CALLER)
+    assert (entry[5], entry[6], entry[3] & 0o777) == (1000, 1000, 0o644)  # uid, gid, mode & ~umask
+    assert backing_id == 0 and keep_cache and not direct_io  # no passthrough in this core
+    ops.release(fh)
 
 
+def test_readdir_lists_entries_and_counts_the_ones_the_kernel_took(core):
+    ops = CkptOperations(core)
+    for name in (b"a", b"b"):
+        fh, _ = core.create(ROOT, name, 0o644, os.O_WRONLY, ROOT_CALLER)
+        core.release(fh)
+    dh = ops.opendir(ROOT)
+    entries = ops.readdir(dh, 0)
+    assert [(name, nxt) for name, _, nxt in entries] == [(b"a", 1), (b"b", 2)]
+    ino_a = entries[0][1][0]
+    ops.readdir_taken(dh, [ino_a])
+    # The kernel now holds one reference to "a" (as from a lookup): forgetting it is allowed.
+    ops.forget([(ino_a, 1)])
+    ops.releasedir(dh)
 
-def test_a_failing_fsync_remote_hook_answers_eio_and_the_loop_survives(core):
-    """The --fsync=remote wait runs after the local fsync; a bug there must not end pyfuse3.main()."""
 
-    async def broken_hook(core, fh):
+def test_listxattr_is_the_names_nul_terminated(core):
+    ops = CkptOperations(core)
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    core.release(fh)
+    ops.setxattr(attr.ino, b"user.a", b"1", 0)
+    ops.setxattr(attr.ino, b"user.b", b"2", 0)
+    assert set(ops.listxattr(attr.ino).split(b"\0")[:-1]) >= {b"user.a", b"user.b"}
+    assert ops.listxattr(attr.ino).endswith(b"\0")
+
+
+def test_a_failing_fsync_remote_hook_answers_eio(core):
+    """The --fsync=remote wait runs after the local fsync; a bug there is one EIO."""
+
+    def broken_hook(core, fh):
         raise RuntimeError("simulated bug in the remote wait")
 
     ops = CkptOperations(core, fsync_hook=broken_hook)
     fh, _ = core.create(ROOT, b"f", 0o644, os.O_RDWR, ROOT_CALLER)
     before = counter(metrics.FUSE_UNEXPECTED, "fsync")
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        run(ops.fsync, fh, False)
+    with pytest.raises(FuseError) as exc:
+        ops.fsync(fh, False)
     assert exc.value.errno == errno.EIO
     assert counter(metrics.FUSE_UNEXPECTED, "fsync") == before + 1
     core.release(fh)
-
-
-def test_every_request_is_timed_by_operation(core):
-    ops = CkptOperations(core)
-    run(ops.getattr, ROOT, Ctx())
-    samples = {s.name: s.value for s in metrics.FUSE_SECONDS.collect()[0].samples
-               if s.labels.get("op") == "getattr"}
-    assert samples["ckptfs_fuse_request_duration_seconds_count"] >= 1

@@ -20,7 +20,7 @@ from test_drain_support import USER, MiB
 
 from ckptfs.drain.filestore import FileStore
 from ckptfs.drain.worker import Drain, object_metadata
-from ckptfs.fsmeta import ROOT_INO, FileState, MetaStore, WouldBlock
+from ckptfs.fsmeta import ROOT_INO, FileState, MetaStore
 from ckptfs.fsmeta.check import fsmeta_problems
 from ckptfs.fsmeta.settings import Settings
 from ckptfs.gateway.bucket import BucketClient
@@ -252,22 +252,19 @@ def test_misses_are_answered_from_the_listing_without_requests(node):
     assert node.stats.heads == heads  # model.pt is known: no new HEAD
 
 
-def test_lookups_the_listing_answers_need_no_wait_and_the_kernel_keeps_them_while_it_is_fresh(node):
-    """The FUSE layer answers lookups on its trio loop (lookup_nowait) while the directory's
-    listing is fresh, and lets the kernel keep each answer, positive or negative, until
-    the listing expires (at least 1 s); where a lookup would list the bucket, lookup_nowait
-    refuses and changes nothing."""
+def test_lookups_the_listing_answers_send_no_request_and_the_kernel_keeps_them_while_it_is_fresh(node):
+    """While a directory's listing is fresh a lookup in it, positive or negative, is answered
+    from fsmeta alone, and the kernel may keep each answer until the listing expires (at
+    least 1 s); after that the next lookup lists the directory again."""
     core = node.core
     node.put("ckpt/a", b"1")
-    ckpt = node.walk("ckpt").ino  # lists the root only
-    with pytest.raises(WouldBlock):
-        core.lookup_nowait(ckpt, b"a")  # ckpt was never listed: this needs a LIST
-    assert node.walk("ckpt/a").size == 1  # the blocking way lists ckpt
+    ckpt = node.walk("ckpt").ino
+    assert node.walk("ckpt/a").size == 1  # lists ckpt
     requests = node.stats.requests
-    a = core.lookup_nowait(ckpt, b"a")
+    a = core.lookup(ckpt, b"a")
     assert a.size == 1
     with pytest.raises(FsError) as exc:
-        core.lookup_nowait(ckpt, b"missing")
+        core.lookup(ckpt, b"missing")
     assert exc.value.errno == errno.ENOENT
     assert node.stats.requests == requests  # answered from fsmeta alone
     assert core.entry_timeout(ckpt) == pytest.approx(TTL)  # the listing is fresh for the whole TTL
@@ -275,10 +272,8 @@ def test_lookups_the_listing_answers_need_no_wait_and_the_kernel_keeps_them_whil
     assert core.entry_timeout(ckpt) == pytest.approx(TTL / 2)
     node.advance(TTL / 2)
     assert core.entry_timeout(ckpt) == 1.0  # stale: the 1 s the semantics allow on top of the TTL
-    references = core._state.lookups.get(a.ino)
-    with pytest.raises(WouldBlock):
-        core.lookup_nowait(ckpt, b"a")
-    assert core._state.lookups.get(a.ino) == references and node.stats.requests == requests
+    assert core.lookup(ckpt, b"a").ino == a.ino
+    assert node.stats.requests > requests  # listed again
 
 
 def test_a_dirty_local_file_shadows_the_remote_object(node):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ckptfs.fsmeta import MetaStore, WouldBlock
+from ckptfs.fsmeta import MetaStore
 from ckptfs.fsmeta import store as store_module
 
 
@@ -148,39 +148,6 @@ def test_deferred_writes_are_read_back_at_once_and_reach_other_processes_at_comm
     assert read_in_other_process(store.path, b"k") is None  # the drain does not see it yet
     store.commit()
     assert read_in_other_process(store.path, b"k") == b"1"
-
-
-def get_nowait(store: MetaStore, key: bytes) -> bytes | None:
-    with store.read_nowait() as txn:
-        value = txn.raw.get(key, db=txn.dbs["meta"])
-        return bytes(value) if value is not None else None
-
-
-def test_a_read_that_must_not_wait_sees_the_open_batch_or_refuses(store_committing_on_demand):
-    """The gateway's trio loop answers lookups with read_nowait: it must see every write
-    acknowledged so far (the open batch's too), and never wait for a writer or a commit."""
-    store = store_committing_on_demand
-    put(store, b"k", b"1")
-    assert get_nowait(store, b"k") == b"1"  # in the open batch, not committed
-    inside, release = threading.Event(), threading.Event()
-
-    def slow(txn) -> None:
-        txn.raw.put(b"k", b"2", db=txn.dbs["meta"])
-        inside.set()
-        release.wait(30)
-
-    writer = threading.Thread(target=store.write, args=(slow,))
-    writer.start()
-    try:
-        assert inside.wait(30)
-        with pytest.raises(WouldBlock):  # a writer holds the batch: refuse, do not wait
-            get_nowait(store, b"k")
-    finally:
-        release.set()
-        writer.join(30)
-    assert get_nowait(store, b"k") == b"2"
-    store.commit()
-    assert get_nowait(store, b"k") == b"2"  # no batch open: a plain read transaction
 
 
 def test_deferred_batch_commits_by_itself_within_the_interval(tmp_path):

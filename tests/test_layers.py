@@ -50,7 +50,7 @@ def test_layer_contracts_hold(installed):
 @pytest.mark.parametrize("module, imports", [
     ("fsmeta/txn.py", "import ckptfs.drain.store"),  # a lower layer reaching up
     ("gateway/errors.py", "import ckptfs.lifecycle.rules"),  # siblings must stay independent
-    ("drain/schedule.py", "import pyfuse3"),  # FUSE outside the gateway
+    ("drain/schedule.py", "import ckptfs_fuse"),  # FUSE outside the gateway
 ])
 def test_a_wrong_import_breaks_a_contract(installed, tmp_path, module, imports):
     site = tmp_path / "site"

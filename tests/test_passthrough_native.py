@@ -1,16 +1,17 @@
-"""FUSE passthrough with the patched pyfuse3 (native/, scripts/build-fuse.sh) on a tiny mount.
+"""The FUSE front end (native/ckptfs_fuse.c, built by scripts/build-fuse.sh) and FUSE
+passthrough, on a tiny mount.
 
-A standalone pyfuse3 file system (``PtFS`` below, no project code) serves a flat directory
-whose files are backed by files in a backing directory. Run as
+A standalone file system on the front end (``PtFS`` below, no gateway code) serves a flat
+directory whose files are backed by files in a backing directory. Run as
 ``python tests/test_passthrough_native.py serve MNT BACKDIR passthrough|plain`` it mounts
 MNT in that process (the tests start it as a child, so a stuck daemon cannot hang pytest).
 In ``passthrough`` mode every open/create registers the backing file with
 ``gateway/passthrough.py``'s ``open_backing`` (one backing id per inode, closed with its
-last handle) and replies with ``FileInfo(backing_id=...)``; READ and WRITE requests that do
+last handle) and replies with that backing id; READ and WRITE requests that do
 reach the daemon are counted and served from the backing file anyway. The counters are read
 through the root's ``user.ptstats`` xattr (a GETXATTR, which is neither READ nor WRITE).
 
-Passthrough must work where set-up ran (root, kernel >= 6.9, patched pyfuse3 on
+Passthrough must work where set-up ran (root, kernel >= 6.9, the front end on
 libfuse >= 3.17): if it does not, these tests fail, with the reason, instead of skipping.
 """
 
@@ -22,10 +23,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import stat
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,16 +50,18 @@ def load_passthrough():
 
 
 def serve(mnt: str, backdir: str, mode: str) -> None:
-    import pyfuse3
-    import trio
+    import ckptfs_fuse
+    from ckptfs_fuse import ROOT_INODE, FuseError
 
     pt = load_passthrough()
-    FUSEError = pyfuse3.FUSEError
 
-    class PtFS(pyfuse3.Operations):
-        def __init__(self, backdir: str, passthrough: bool):
-            super().__init__()
-            self.enable_passthrough = passthrough  # read by the patched pyfuse3 at INIT
+    class PtFS:
+        """The ops object of a ckptfs_fuse.Session: synchronous methods, called from the
+        front end's threads (one lock here: this file system is not about concurrency)."""
+
+        def __init__(self, backdir: str):
+            self.session = None  # set once the session exists (INIT comes after)
+            self.lock = threading.Lock()
             self.backdir = backdir
             self.ino_of: dict[bytes, int] = {}
             self.name_of: dict[int, bytes] = {}
@@ -71,12 +75,12 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
 
         # helpers
         def _path(self, ino: int) -> str:
-            if ino == pyfuse3.ROOT_INODE:
+            if ino == ROOT_INODE:
                 return self.backdir
             try:
                 return os.path.join(self.backdir, os.fsdecode(self.name_of[ino]))
             except KeyError:
-                raise FUSEError(errno.ENOENT) from None
+                raise FuseError(errno.ENOENT) from None
 
         def _ino(self, name: bytes) -> int:
             ino = self.ino_of.get(name)
@@ -86,145 +90,151 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                 self.next_ino += 1
             return ino
 
-        def _attrs(self, ino: int) -> "pyfuse3.EntryAttributes":
+        def _entry(self, ino: int) -> tuple:
             try:
                 st = os.lstat(self._path(ino))
             except OSError as e:
-                raise FUSEError(e.errno) from None
-            a = pyfuse3.EntryAttributes()
-            a.st_ino = ino
-            a.generation = 0
-            a.entry_timeout = 1
-            a.attr_timeout = 1
-            for k in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size",
-                      "st_blksize", "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns"):
-                setattr(a, k, getattr(st, k))
-            return a
+                raise FuseError(e.errno) from None
+            return (ino, 1.0, 1.0, st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_size,
+                    st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns)
 
-        def _handle(self, ino: int, fd: int) -> "pyfuse3.FileInfo":
+        def _handle(self, ino: int, fd: int) -> tuple:
             fh = self.next_fh
             self.next_fh += 1
-            if not pyfuse3.passthrough_enabled():
+            if not self.session.passthrough_granted:
                 self.handles[fh] = (ino, fd)
-                return pyfuse3.FileInfo(fh=fh)
+                return (fh, 0, False, False)
             try:
                 ent = self.backing.get(ino)
                 if ent is None:  # first open of the inode: register its backing file
-                    ent = self.backing[ino] = [pt.open_backing(fd), 0]
+                    ent = self.backing[ino] = [pt.open_backing(fd, fuse_fd=self.session.fd), 0]
                     self.counts["backing_open"] += 1
                 else:  # every further open of the inode reuses the same backing id
                     self.counts["backing_reuse"] += 1
                 ent[1] += 1
             except OSError as e:
-                raise FUSEError(e.errno) from None
+                raise FuseError(e.errno) from None
             finally:
                 os.close(fd)  # the kernel holds its own reference to the backing file
             self.handles[fh] = (ino, None)
-            return pyfuse3.FileInfo(fh=fh, backing_id=ent[0])
+            return (fh, ent[0], False, False)
 
         # namespace
-        async def lookup(self, parent, name, ctx=None):
-            if name in (b".", b".."):
-                return self._attrs(pyfuse3.ROOT_INODE)
-            if parent != pyfuse3.ROOT_INODE or not os.path.lexists(
-                    os.path.join(self.backdir, os.fsdecode(name))):
-                raise FUSEError(errno.ENOENT)
-            return self._attrs(self._ino(name))
+        def lookup(self, parent, name):
+            with self.lock:
+                if name in (b".", b".."):
+                    return self._entry(ROOT_INODE)
+                if parent != ROOT_INODE or not os.path.lexists(os.path.join(self.backdir, os.fsdecode(name))):
+                    return (0, 0.0)
+                return self._entry(self._ino(name))
 
-        async def getattr(self, inode, ctx=None):
-            return self._attrs(inode)
+        def getattr(self, ino):
+            with self.lock:
+                return self._entry(ino)
 
-        async def setattr(self, inode, attr, fields, fh, ctx):
-            self.counts["setattr"] += 1
-            path = self._path(inode)
-            try:
-                if fields.update_size:
-                    os.truncate(path, attr.st_size)
-                if fields.update_mode:
-                    os.chmod(path, stat.S_IMODE(attr.st_mode))
-                if fields.update_atime or fields.update_mtime:
-                    st = os.lstat(path)
-                    os.utime(path, ns=(attr.st_atime_ns if fields.update_atime else st.st_atime_ns,
-                                       attr.st_mtime_ns if fields.update_mtime else st.st_mtime_ns))
-            except OSError as e:
-                raise FUSEError(e.errno) from None
-            return self._attrs(inode)
+        def setattr(self, ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, fh):
+            with self.lock:
+                self.counts["setattr"] += 1
+                path = self._path(ino)
+                try:
+                    if size is not None:
+                        os.truncate(path, size)
+                    if mode is not None:
+                        os.chmod(path, stat.S_IMODE(mode))
+                    if atime_ns is not None or mtime_ns is not None:
+                        st = os.lstat(path)
+                        os.utime(path, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                                           st.st_mtime_ns if mtime_ns is None else mtime_ns))
+                except OSError as e:
+                    raise FuseError(e.errno) from None
+                return self._entry(ino)
 
-        async def unlink(self, parent, name, ctx):
-            try:
-                os.unlink(os.path.join(self.backdir, os.fsdecode(name)))
-            except OSError as e:
-                raise FUSEError(e.errno) from None
-            ino = self.ino_of.pop(name, None)
-            if ino is not None:
-                self.name_of.pop(ino, None)
+        def unlink(self, parent, name):
+            with self.lock:
+                try:
+                    os.unlink(os.path.join(self.backdir, os.fsdecode(name)))
+                except OSError as e:
+                    raise FuseError(e.errno) from None
+                ino = self.ino_of.pop(name, None)
+                if ino is not None:
+                    self.name_of.pop(ino, None)
 
-        async def forget(self, inode_list):
-            pass
+        def opendir(self, ino):
+            if ino != ROOT_INODE:
+                raise FuseError(errno.ENOTDIR)
+            return ino
 
-        async def opendir(self, inode, ctx):
-            if inode != pyfuse3.ROOT_INODE:
-                raise FUSEError(errno.ENOTDIR)
-            return inode
+        def readdir(self, fh, start_id):
+            with self.lock:
+                names = sorted(os.listdir(self.backdir))
+                return [(os.fsencode(n), self._entry(self._ino(os.fsencode(n))), i + 1)
+                        for i, n in enumerate(names[start_id:], start_id)]
 
-        async def readdir(self, fh, start_id, token):
-            names = sorted(os.listdir(self.backdir))
-            for i, name in enumerate(names[start_id:], start_id):
-                b = os.fsencode(name)
-                if not pyfuse3.readdir_reply(token, b, self._attrs(self._ino(b)), i + 1):
-                    break
-
-        async def releasedir(self, fh):
-            pass
-
-        async def statfs(self, ctx):
+        def statfs(self):
             sv = os.statvfs(self.backdir)
-            out = pyfuse3.StatvfsData()
-            for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
-                      "f_ffree", "f_favail", "f_namemax"):
-                setattr(out, k, getattr(sv, k))
-            return out
+            return (sv.f_bsize, sv.f_frsize, sv.f_blocks, sv.f_bfree, sv.f_bavail, sv.f_files, sv.f_ffree,
+                    sv.f_favail, sv.f_namemax)
 
-        async def getxattr(self, inode, name, ctx):
-            if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR.encode():
-                return json.dumps({
-                    "passthrough_enabled": pyfuse3.passthrough_enabled(),
-                    "active_backing": len(self.backing),
-                    "open_handles": len(self.handles),
-                    **self.counts,
-                }).encode()
-            raise FUSEError(errno.ENODATA)
+        def getxattr(self, ino, name):
+            if ino == ROOT_INODE and name == STATS_XATTR.encode():
+                with self.lock:
+                    return json.dumps({
+                        "passthrough_enabled": self.session.passthrough_granted,
+                        "active_backing": len(self.backing),
+                        "open_handles": len(self.handles),
+                        "threads": self.session.threads,
+                        "requests": {op: v[0] for op, v in self.session.request_stats().items()},
+                        **self.counts,
+                    }).encode()
+            if ino == ROOT_INODE and name == b"user.bad_reply":
+                return "not bytes"  # a handler bug: the front end must answer EIO and go on
+            if ino == ROOT_INODE and name == b"user.block":
+                BLOCKED.wait(30)  # holds a front-end thread until user.unblock is read
+                BLOCKED.clear()
+                return b"unblocked"
+            if ino == ROOT_INODE and name == b"user.unblock":
+                BLOCKED.set()
+                return b"ok"
+            raise FuseError(errno.ENODATA)
+
+        def unexpected(self, op, exc):
+            self.counts.setdefault("unexpected", 0)
+            self.counts["unexpected"] += 1
 
         # files: the backing file is always opened O_RDWR, because the one backing id of an
         # inode serves every later open of it, whatever its access mode.
-        async def create(self, parent, name, mode, flags, ctx):
-            self.counts["create"] += 1
-            if parent != pyfuse3.ROOT_INODE:
-                raise FUSEError(errno.ENOENT)
-            try:
-                fd = os.open(os.path.join(self.backdir, os.fsdecode(name)),
-                             os.O_RDWR | os.O_CREAT | (flags & (os.O_EXCL | os.O_TRUNC)),
-                             stat.S_IMODE(mode))
-            except OSError as e:
-                raise FUSEError(e.errno) from None
-            ino = self._ino(name)
-            return self._handle(ino, fd), self._attrs(ino)
+        def create(self, parent, name, mode, flags, uid, gid, umask, pid):
+            with self.lock:
+                self.counts["create"] += 1
+                if parent != ROOT_INODE:
+                    raise FuseError(errno.ENOENT)
+                try:
+                    fd = os.open(os.path.join(self.backdir, os.fsdecode(name)),
+                                 os.O_RDWR | os.O_CREAT | (flags & (os.O_EXCL | os.O_TRUNC)),
+                                 stat.S_IMODE(mode))
+                except OSError as e:
+                    raise FuseError(e.errno) from None
+                ino = self._ino(name)
+                return (*self._handle(ino, fd), self._entry(ino))
 
-        async def open(self, inode, flags, ctx):
-            self.counts["open"] += 1
-            try:
-                fd = os.open(self._path(inode), os.O_RDWR | (flags & os.O_TRUNC))
-            except OSError as e:
-                raise FUSEError(e.errno) from None
-            return self._handle(inode, fd)
+        def open(self, ino, flags):
+            with self.lock:
+                self.counts["open"] += 1
+                try:
+                    fd = os.open(self._path(ino), os.O_RDWR | (flags & os.O_TRUNC))
+                except OSError as e:
+                    raise FuseError(e.errno) from None
+                return self._handle(ino, fd)
 
-        async def read(self, fh, off, size):
-            self.counts["read"] += 1
-            return os.pread(self._fd(fh), size, off)
+        def read(self, fh, off, size):
+            with self.lock:
+                self.counts["read"] += 1
+                return os.pread(self._fd(fh), size, off)
 
-        async def write(self, fh, off, buf):
-            self.counts["write"] += 1
-            return os.pwrite(self._fd(fh), buf, off)
+        def write(self, fh, off, buf):
+            with self.lock:
+                self.counts["write"] += 1
+                return os.pwrite(self._fd(fh), buf, off)
 
         def _fd(self, fh: int) -> int:
             ino, fd = self.handles[fh]
@@ -233,12 +243,14 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                 self.handles[fh] = (ino, fd)
             return fd
 
-        async def flush(self, fh):
-            self.counts["flush"] += 1
+        def flush(self, fh):
+            with self.lock:
+                self.counts["flush"] += 1
 
-        async def fsync(self, fh, datasync):
-            self.counts["fsync"] += 1
-            ino, fd = self.handles[fh]
+        def fsync(self, fh, datasync):
+            with self.lock:
+                self.counts["fsync"] += 1
+                ino, fd = self.handles[fh]
             own = fd is None
             fd = os.open(self._path(ino), os.O_RDONLY) if own else fd
             try:
@@ -247,27 +259,30 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                 if own:
                     os.close(fd)
 
-        async def release(self, fh):
-            self.counts["release"] += 1
-            ino, fd = self.handles.pop(fh)
-            if fd is not None:
-                os.close(fd)
-            ent = self.backing.get(ino)
-            if ent is not None:
-                ent[1] -= 1
-                if ent[1] == 0:  # last handle of the inode: now the backing id may go
-                    del self.backing[ino]
-                    pt.close_backing(ent[0])
-                    self.counts["backing_close"] += 1
+        def release(self, fh):
+            with self.lock:
+                self.counts["release"] += 1
+                ino, fd = self.handles.pop(fh)
+                if fd is not None:
+                    os.close(fd)
+                ent = self.backing.get(ino)
+                if ent is not None:
+                    ent[1] -= 1
+                    if ent[1] == 0:  # last handle of the inode: now the backing id may go
+                        del self.backing[ino]
+                        pt.close_backing(ent[0], fuse_fd=self.session.fd)
+                        self.counts["backing_close"] += 1
 
-    fs = PtFS(backdir, passthrough=(mode == "passthrough"))
-    opts = set(pyfuse3.default_options)
-    opts.add("fsname=ckptfs-passthrough-test")
-    pyfuse3.init(fs, mnt, opts)
+    BLOCKED = threading.Event()
+    fs = PtFS(backdir)
+    fs.session = ckptfs_fuse.Session(fs, mnt, ["default_permissions", "fsname=ckptfs-passthrough-test"],
+                                     passthrough=(mode == "passthrough"), writeback_cache=False,
+                                     max_threads=8)
+    signal.signal(signal.SIGTERM, lambda *_: fs.session.exit())
     try:
-        trio.run(pyfuse3.main)
+        fs.session.run()
     finally:
-        pyfuse3.close(unmount=False)
+        fs.session.destroy()
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "serve":
@@ -351,15 +366,12 @@ def test_probe_and_ioctl_numbers():
     assert pt.FUSE_DEV_IOC_BACKING_CLOSE == 0x4004E502
     ver = pt.libfuse_version()
     assert ver is not None and tuple(map(int, ver.split(".")[:2])) >= (3, 17), ver
-    import pyfuse3
+    import ckptfs_fuse
 
-    assert pyfuse3.HAVE_PASSTHROUGH is True
-    assert pyfuse3.Operations.enable_passthrough is False  # opt-in
-    assert pyfuse3.FileInfo(fh=1, backing_id=7).backing_id == 7
-    assert pyfuse3.passthrough_enabled() is False  # no session in this process
+    assert ckptfs_fuse.HAVE_PASSTHROUGH
     with pytest.raises(OSError) as ei:
-        pt.open_backing(0)  # no session in this process
-    assert ei.value.errno == errno.ENOTCONN
+        pt.open_backing(0, fuse_fd=0)  # not a FUSE device
+    assert ei.value.errno in (errno.ENOTTY, errno.EINVAL, errno.EBADF, errno.EPERM)
 
 
 def test_64mib_write_and_read_back_bypass_the_daemon(tmp_path):
@@ -450,3 +462,72 @@ def test_throughput_report(tmp_path):
     print(f"\ndd bs=1M, {size} MiB, page cache, best of 3:")
     for k, v in rates.items():
         print(f"  {k:32s} {v:5.2f} GB/s")
+
+
+# -- the front end itself ----------------------------------------------------------------------
+
+
+def test_a_handler_bug_is_eio_and_the_mount_keeps_serving(tmp_path):
+    with mounted(tmp_path, "plain") as (mnt, back):
+        with pytest.raises(OSError) as ei:
+            os.getxattr(mnt, "user.bad_reply")  # the handler returns str, not bytes
+        assert ei.value.errno == errno.EIO
+        (mnt / "f").write_bytes(b"still here")
+        assert (mnt / "f").read_bytes() == b"still here"
+        assert stats(mnt)["unexpected"] == 1
+
+
+def test_requests_that_wait_do_not_hold_up_the_others(tmp_path):
+    """A request may wait long (a fetch, room in the cache): others are served meanwhile, by
+    threads the front end starts as it needs them."""
+    with mounted(tmp_path, "plain") as (mnt, back):
+        results = []
+        waiters = [threading.Thread(target=lambda: results.append(os.getxattr(mnt, "user.block")))
+                   for _ in range(2)]
+        for t in waiters:
+            t.start()
+        deadline = time.monotonic() + 10
+        while stats(mnt)["requests"].get("getxattr", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the stats read is a getxattr too)
+        (mnt / "g").write_bytes(b"served while two requests wait")
+        assert (mnt / "g").read_bytes() == b"served while two requests wait"
+        assert results == []  # both still waiting
+        assert stats(mnt)["threads"] >= 3
+        os.getxattr(mnt, "user.unblock")
+        os.getxattr(mnt, "user.unblock")
+        for t in waiters:
+            t.join(10)
+        assert results == [b"unblocked", b"unblocked"]
+        assert stats(mnt)["requests"]["lookup"] >= 1
+
+
+def test_exit_ends_the_loop_and_unmounts(tmp_path):
+    """Session.exit() (on SIGTERM here, as the gateway does) wakes the idle threads blocked
+    reading /dev/fuse; run() returns and destroy() unmounts."""
+    mnt, back = tmp_path / "mnt", tmp_path / "back"
+    mnt.mkdir()
+    back.mkdir()
+    proc = subprocess.Popen([sys.executable, __file__, "serve", str(mnt), str(back), "plain"])
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, "the test mount did not come up"
+            time.sleep(0.02)
+        threads = []
+        for i in range(6):  # several threads busy at once, so that several are idle afterwards
+            t = threading.Thread(target=lambda i=i: (mnt / f"f{i}").write_bytes(b"x" * 100000))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        started = stats(mnt)["threads"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert not os.path.ismount(mnt)
+        print(f"\nthreads started: {started}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)

@@ -23,7 +23,7 @@ import sys
 from .common import setup_logging
 
 # Each command's group module, so that one command imports only its own module: the S3
-# client, pyfuse3 and the lifecycle engine together cost about a second of start-up, paid
+# client, the FUSE front end and the lifecycle engine together cost about a second of start-up, paid
 # by every `prefetch` before a resume and every one-shot `drain`. tests/test_cli_*.py check
 # this table against what the groups register.
 COMMAND_MODULES = {

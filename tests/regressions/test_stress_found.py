@@ -27,8 +27,8 @@ def test_an_o_trunc_open_racing_a_truncate_leaves_the_mount_and_the_gateway_at_o
     process in between reached the gateway but was undone in the kernel only, whose size
     is the one that counts under the writeback cache. Racing a truncate(2) with an
     open(O_TRUNC) left them apart in 307 of 500 rounds before the fix
-    (``CkptOperations.atomic_o_trunc_with_writeback_cache = False``, from
-    native/pyfuse3-passthrough.patch: O_TRUNC then comes as a SETATTR under the inode lock)."""
+    (``CkptOperations.atomic_o_trunc_with_writeback_cache = False``, which the front end turns
+    into FUSE_CAP_ATOMIC_O_TRUNC off: O_TRUNC then comes as a SETATTR under the inode lock)."""
     p = gateway.mnt / "f"
     p.write_bytes(b"0123456789")
     ino = os.stat(p).st_ino

@@ -1,0 +1,1531 @@
+/*
+ * ckptfs_fuse: the gateway's FUSE front end, a CPython extension over libfuse's low-level API.
+ *
+ * Why it exists (docs/DESIGN.md, "Metadata operation performance"): with pyfuse3 every request
+ * went through a trio task and then a hop to a worker thread, about 0.5 ms of CPU per request
+ * against 20-110 us of work in the core. Here a pool of C threads reads /dev/fuse; each request
+ * is decoded in C, the thread takes the GIL and calls one synchronous method of the Python
+ * "ops" object (gateway/fuse_ops.py, which calls the core), then drops the GIL and sends the
+ * reply. No event loop and no thread hop are on the path of a request.
+ *
+ * The Python side:
+ *   Session(ops, mountpoint, options, *, passthrough, writeback_cache, atomic_o_trunc,
+ *           direct_io_mmap, export_support, max_threads, max_backing_stack_depth)
+ *       fuse_session_new + fuse_session_mount. ``options`` are "-o" strings.
+ *   .run()     serve requests until the file system is unmounted or .exit() is called; the
+ *              calling thread waits without the GIL. Returns after every worker has ended.
+ *   .exit()    ask run() to return (wakes the workers blocked reading /dev/fuse).
+ *   .unmount(), .destroy(), .fd
+ *   .passthrough_granted, .direct_io_mmap_granted, .writeback_cache_granted: set at INIT.
+ *   FuseError(errno): what an ops method raises to answer an errno.
+ *
+ * The ops methods and their results are listed in gateway/fuse_ops.py (``CkptOperations``).
+ * An entry is a tuple (ino, entry_timeout, attr_timeout, mode, nlink, uid, gid, rdev, size,
+ * blksize, blocks, atime_ns, mtime_ns, ctime_ns); ino 0 is a negative entry (only the first two
+ * items are read). Any exception other than FuseError is reported through
+ * ``ops.unexpected(opname, exc)`` and answered EIO.
+ *
+ * Threads: a worker blocks in read(2) on /dev/fuse; when it takes a request and no other worker
+ * is idle, it starts another, up to max_threads (requests may block for long: a fetch, room in
+ * the cache). Each worker keeps one Python thread state for its life. To end, .exit() sets a
+ * flag and signals the idle workers with WAKE_SIGNAL, which they block except while reading,
+ * so a signal never interrupts a request's work.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 17)
+#include <fuse_lowlevel.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WAKE_SIGNAL (SIGRTMIN + 6)
+
+static PyObject *FuseError; /* ckptfs_fuse.FuseError */
+
+enum op {
+    OP_INIT, OP_INIT_REPLIED, OP_LOOKUP, OP_FORGET, OP_GETATTR, OP_SETATTR, OP_READLINK,
+    OP_MKNOD, OP_MKDIR, OP_UNLINK, OP_RMDIR, OP_SYMLINK, OP_RENAME, OP_LINK, OP_OPEN, OP_READ,
+    OP_WRITE, OP_FLUSH, OP_RELEASE, OP_FSYNC, OP_OPENDIR, OP_READDIR, OP_READDIR_TAKEN,
+    OP_RELEASEDIR, OP_FSYNCDIR, OP_STATFS, OP_SETXATTR, OP_GETXATTR, OP_LISTXATTR,
+    OP_REMOVEXATTR, OP_CREATE, OP_UNEXPECTED, N_OPS
+};
+
+static const char *const op_names[N_OPS] = {
+    "init", "init_replied", "lookup", "forget", "getattr", "setattr", "readlink",
+    "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link", "open", "read",
+    "write", "flush", "release", "fsync", "opendir", "readdir", "readdir_taken",
+    "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr",
+    "removexattr", "create", "unexpected",
+};
+
+/* Requests counted and timed by the front end (exported as ckptfs_fuse_requests_total and
+ * ckptfs_fuse_request_duration_seconds, gateway/metrics.py): by the request's opcode, from
+ * the moment a worker has read it until its reply was sent. Names as the Prometheus label. */
+#define N_OPCODES 64
+static const char *const opcode_names[N_OPCODES] = {
+    [1] = "lookup", [2] = "forget", [3] = "getattr", [4] = "setattr", [5] = "readlink",
+    [6] = "symlink", [8] = "mknod", [9] = "mkdir", [10] = "unlink", [11] = "rmdir",
+    [12] = "rename", [13] = "link", [14] = "open", [15] = "read", [16] = "write",
+    [17] = "statfs", [18] = "release", [20] = "fsync", [21] = "setxattr", [22] = "getxattr",
+    [23] = "listxattr", [24] = "removexattr", [25] = "flush", [26] = "init", [27] = "opendir",
+    [28] = "readdir", [29] = "releasedir", [30] = "fsyncdir", [31] = "getlk", [32] = "setlk",
+    [33] = "setlkw", [34] = "access", [35] = "create", [36] = "interrupt", [37] = "bmap",
+    [38] = "destroy", [39] = "ioctl", [40] = "poll", [41] = "notify_reply", [42] = "forget",
+    [43] = "fallocate", [44] = "readdir", [45] = "rename", [46] = "lseek",
+    [47] = "copy_file_range", [48] = "setupmapping", [49] = "removemapping", [50] = "syncfs",
+    [51] = "tmpfile", [52] = "statx",
+};
+#define N_BUCKETS 12 /* and +Inf */
+static const double bucket_bounds[N_BUCKETS] = {0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5,
+                                                1, 5, 30, 300};
+struct op_stat {
+    uint64_t count, ns, gil_ns; /* gil_ns: of ns, waiting to run Python */
+    uint64_t buckets[N_BUCKETS + 1]; /* not cumulative; the last is above every bound */
+};
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+struct session;
+
+struct worker {
+    struct session *s;
+    pthread_t tid;
+    struct fuse_buf buf;
+    PyThreadState *ts;
+    int reading;        /* blocked (or about to block) in read(2): may be woken by a signal */
+    int init_handled;   /* this worker answered INIT: call ops.init_replied() after the reply */
+    uint64_t gil_ns;    /* of the request being served: time spent waiting for the GIL */
+    struct worker *next;
+};
+
+typedef struct session {
+    PyObject_HEAD
+    struct fuse_session *se;
+    PyObject *ops;
+    PyObject *methods[N_OPS];
+    PyInterpreterState *interp;
+    int fd;
+    int mounted;
+    /* requested at construction, read in the INIT handler */
+    int want_passthrough, want_writeback, want_atomic_o_trunc, want_dio_mmap, want_export;
+    int user_xattrs_only;   /* getxattr of other names is ENODATA without calling Python */
+    unsigned max_backing_stack_depth;
+    /* what INIT negotiated */
+    int passthrough_granted, writeback_granted, dio_mmap_granted;
+    /* the worker pool */
+    pthread_mutex_t lock;
+    pthread_cond_t ended;   /* a worker ended */
+    struct worker *workers; /* all started, for signals and clean-up */
+    int max_threads, n_workers, n_running, n_idle;
+    volatile int exiting;
+    volatile int running;   /* run() in progress */
+    int error;              /* errno that ended the loop, 0 for an unmount or exit() */
+    struct op_stat stats[N_OPCODES]; /* [0]: opcodes without a name */
+} Session;
+
+static __thread struct worker *this_worker;
+
+/* ---- the GIL around a request -------------------------------------------------------------- */
+
+static inline uint64_t now_ns(void);
+static inline void enter(void)
+{
+    uint64_t t0 = now_ns();
+    PyEval_RestoreThread(this_worker->ts);
+    this_worker->gil_ns += now_ns() - t0;
+}
+static inline void leave(void) { (void)PyEval_SaveThread(); }
+
+/* Report the pending exception: FuseError gives its errno; anything else goes to
+ * ops.unexpected(opname, exc) and is EIO. Called with the GIL held; clears the exception. */
+static int take_error(Session *s, enum op op)
+{
+    PyObject *type, *value, *tb;
+    int code = EIO;
+    PyErr_Fetch(&type, &value, &tb);
+    if (type == NULL)
+        return code;
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (PyErr_GivenExceptionMatches(type, FuseError)) {
+        PyObject *e = PyObject_GetAttrString(value, "errno");
+        if (e != NULL && PyLong_Check(e)) {
+            long v = PyLong_AsLong(e);
+            if (v > 0 && v < 4096)
+                code = (int)v;
+        }
+        Py_XDECREF(e);
+        PyErr_Clear();
+    } else {
+        if (tb != NULL && value != NULL)
+            PyException_SetTraceback(value, tb);
+        PyObject *name = PyUnicode_FromString(op_names[op]);
+        PyObject *r = NULL;
+        if (name != NULL && s->methods[OP_UNEXPECTED] != NULL)
+            r = PyObject_CallFunctionObjArgs(s->methods[OP_UNEXPECTED], name, value ? value : Py_None, NULL);
+        else if (name != NULL) {
+            PyErr_Restore(Py_NewRef(type), Py_XNewRef(value), Py_XNewRef(tb));
+            PyErr_WriteUnraisable(name);
+            r = Py_NewRef(Py_None);
+        }
+        if (r == NULL)
+            PyErr_WriteUnraisable(name);
+        Py_XDECREF(r);
+        Py_XDECREF(name);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return code;
+}
+
+/* ops.<op>(*args); steals the references in args (NULL items mean "building failed"). */
+static PyObject *call(Session *s, enum op op, PyObject **args, size_t nargs)
+{
+    PyObject *r = NULL;
+    for (size_t i = 0; i < nargs; i++)
+        if (args[i] == NULL)
+            goto out;
+    if (s->methods[op] == NULL) {
+        if (op == OP_INIT || op == OP_INIT_REPLIED || op == OP_FORGET || op == OP_READDIR_TAKEN) {
+            r = Py_NewRef(Py_None); /* nothing to do */
+        } else {
+            PyObject *e = PyObject_CallFunction(FuseError, "i", ENOSYS);
+            if (e != NULL) {
+                PyErr_SetObject(FuseError, e);
+                Py_DECREF(e);
+            }
+        }
+        goto out;
+    }
+    r = PyObject_Vectorcall(s->methods[op], args, nargs, NULL);
+out:
+    for (size_t i = 0; i < nargs; i++)
+        Py_XDECREF(args[i]);
+    return r;
+}
+
+static inline PyObject *u64(uint64_t v) { return PyLong_FromUnsignedLongLong(v); }
+static inline PyObject *i64(int64_t v) { return PyLong_FromLongLong(v); }
+static inline PyObject *name_of(const char *name) { return PyBytes_FromString(name); }
+
+static int item_u64(PyObject *t, Py_ssize_t i, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, i));
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int item_i64(PyObject *t, Py_ssize_t i, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int item_double(PyObject *t, Py_ssize_t i, double *out)
+{
+    double v = PyFloat_AsDouble(PyTuple_GET_ITEM(t, i));
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static void set_ns(struct timespec *ts, int64_t ns)
+{
+    ts->tv_sec = ns / 1000000000;
+    ts->tv_nsec = ns % 1000000000;
+    if (ts->tv_nsec < 0) {
+        ts->tv_nsec += 1000000000;
+        ts->tv_sec -= 1;
+    }
+}
+
+/* An entry tuple (see the top of this file) into a fuse_entry_param. */
+static int entry_from(PyObject *t, struct fuse_entry_param *e)
+{
+    uint64_t ino, mode, nlink, uid, gid, rdev, size, blksize, blocks;
+    int64_t atime, mtime, ctime;
+    memset(e, 0, sizeof(*e));
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 2) {
+        PyErr_SetString(PyExc_TypeError, "an entry must be a tuple");
+        return -1;
+    }
+    if (item_u64(t, 0, &ino) < 0 || item_double(t, 1, &e->entry_timeout) < 0)
+        return -1;
+    e->ino = ino;
+    if (ino == 0)
+        return 0; /* negative entry: only its timeout counts */
+    if (PyTuple_GET_SIZE(t) != 14) {
+        PyErr_SetString(PyExc_TypeError, "an entry must have 14 items");
+        return -1;
+    }
+    if (item_double(t, 2, &e->attr_timeout) < 0 || item_u64(t, 3, &mode) < 0 || item_u64(t, 4, &nlink) < 0
+        || item_u64(t, 5, &uid) < 0 || item_u64(t, 6, &gid) < 0 || item_u64(t, 7, &rdev) < 0
+        || item_u64(t, 8, &size) < 0 || item_u64(t, 9, &blksize) < 0 || item_u64(t, 10, &blocks) < 0
+        || item_i64(t, 11, &atime) < 0 || item_i64(t, 12, &mtime) < 0 || item_i64(t, 13, &ctime) < 0)
+        return -1;
+    e->generation = 0; /* inode numbers are never reused */
+    e->attr.st_ino = ino;
+    e->attr.st_mode = mode;
+    e->attr.st_nlink = nlink;
+    e->attr.st_uid = uid;
+    e->attr.st_gid = gid;
+    e->attr.st_rdev = rdev;
+    e->attr.st_size = size;
+    e->attr.st_blksize = blksize;
+    e->attr.st_blocks = blocks;
+    set_ns(&e->attr.st_atim, atime);
+    set_ns(&e->attr.st_mtim, mtime);
+    set_ns(&e->attr.st_ctim, ctime);
+    return 0;
+}
+
+/* (fh, backing_id, keep_cache, direct_io) into a fuse_file_info */
+static int open_from(PyObject *t, struct fuse_file_info *fi)
+{
+    uint64_t fh, keep, dio;
+    int64_t bid;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 4) {
+        PyErr_SetString(PyExc_TypeError, "an open reply must be (fh, backing_id, keep_cache, direct_io)");
+        return -1;
+    }
+    if (item_u64(t, 0, &fh) < 0 || item_i64(t, 1, &bid) < 0 || item_u64(t, 2, &keep) < 0 || item_u64(t, 3, &dio) < 0)
+        return -1;
+    fi->fh = fh;
+    fi->backing_id = (int32_t)bid;
+    fi->keep_cache = bid > 0 ? 0 : !!keep; /* the kernel rejects keep_cache on a passthrough open */
+    fi->direct_io = !!dio;
+    return 0;
+}
+
+static PyObject *ctx_args(fuse_req_t req, PyObject **args)
+{
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    args[0] = u64(ctx->uid);
+    args[1] = u64(ctx->gid);
+    args[2] = u64(ctx->umask);
+    args[3] = i64(ctx->pid);
+    return args[0];
+}
+
+static inline Session *session_of(fuse_req_t req) { return (Session *)fuse_req_userdata(req); }
+
+/* ---- handlers ------------------------------------------------------------------------------- */
+
+static void ll_init(void *userdata, struct fuse_conn_info *conn)
+{
+    Session *s = userdata;
+    /* readdirplus always (the kernel takes a reference to each entry: no LOOKUP after ls -l) */
+    fuse_unset_feature_flag(conn, FUSE_CAP_READDIRPLUS_AUTO);
+    s->passthrough_granted = 0;
+    if (s->want_passthrough && (conn->capable_ext & FUSE_CAP_PASSTHROUGH)) {
+        fuse_set_feature_flag(conn, FUSE_CAP_PASSTHROUGH);
+        conn->max_backing_stack_depth = s->max_backing_stack_depth;
+        s->passthrough_granted = 1;
+    }
+    s->dio_mmap_granted = 0;
+    if (s->want_dio_mmap && (conn->capable_ext & FUSE_CAP_DIRECT_IO_ALLOW_MMAP)) {
+        fuse_set_feature_flag(conn, FUSE_CAP_DIRECT_IO_ALLOW_MMAP);
+        s->dio_mmap_granted = 1;
+    }
+    if (s->want_export && (conn->capable_ext & FUSE_CAP_EXPORT_SUPPORT))
+        fuse_set_feature_flag(conn, FUSE_CAP_EXPORT_SUPPORT);
+    s->writeback_granted = 0;
+    /* the kernel refuses passthrough opens on a connection with the writeback cache */
+    if (s->want_writeback && !s->passthrough_granted && (conn->capable_ext & FUSE_CAP_WRITEBACK_CACHE)) {
+        fuse_set_feature_flag(conn, FUSE_CAP_WRITEBACK_CACHE);
+        s->writeback_granted = 1;
+        if (!s->want_atomic_o_trunc)
+            fuse_unset_feature_flag(conn, FUSE_CAP_ATOMIC_O_TRUNC);
+    }
+    this_worker->init_handled = 1;
+    enter();
+    PyObject *r = call(s, OP_INIT, NULL, 0);
+    if (r == NULL)
+        take_error(s, OP_INIT);
+    Py_XDECREF(r);
+    leave();
+}
+
+static void reply_entry_result(fuse_req_t req, Session *s, enum op op, PyObject *r)
+{
+    struct fuse_entry_param e;
+    int err = 0;
+    if (r == NULL || entry_from(r, &e) < 0)
+        err = take_error(s, op);
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_entry(req, &e);
+}
+
+/* For requests answered with no data: 0 or an errno. */
+static void reply_none_result(fuse_req_t req, Session *s, enum op op, PyObject *r)
+{
+    int err = r == NULL ? take_error(s, op) : 0;
+    Py_XDECREF(r);
+    leave();
+    fuse_reply_err(req, err);
+}
+
+static void ll_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(parent), name_of(name)};
+    reply_entry_result(req, s, OP_LOOKUP, call(s, OP_LOOKUP, a, 2));
+}
+
+static void forget_list(Session *s, PyObject *list)
+{
+    PyObject *a[] = {list};
+    PyObject *r = call(s, OP_FORGET, a, 1);
+    if (r == NULL)
+        take_error(s, OP_FORGET);
+    Py_XDECREF(r);
+}
+
+static void ll_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *list = Py_BuildValue("[(KK)]", (unsigned long long)ino, (unsigned long long)nlookup);
+    forget_list(s, list);
+    leave();
+    fuse_reply_none(req);
+}
+
+static void ll_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *list = PyList_New((Py_ssize_t)count);
+    for (size_t i = 0; list != NULL && i < count; i++) {
+        PyObject *item = Py_BuildValue("(KK)", (unsigned long long)forgets[i].ino,
+                                       (unsigned long long)forgets[i].nlookup);
+        if (item == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+    }
+    forget_list(s, list);
+    leave();
+    fuse_reply_none(req);
+}
+
+static void reply_attr_result(fuse_req_t req, Session *s, enum op op, PyObject *r)
+{
+    struct fuse_entry_param e;
+    int err = 0;
+    if (r == NULL || entry_from(r, &e) < 0)
+        err = take_error(s, op);
+    else if (e.ino == 0) {
+        err = EIO;
+        PyErr_Clear();
+    }
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_attr(req, &e.attr, e.attr_timeout);
+}
+
+static void ll_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    (void)fi;
+    enter();
+    PyObject *a[] = {u64(ino)};
+    reply_attr_result(req, s, OP_GETATTR, call(s, OP_GETATTR, a, 1));
+}
+
+static void ll_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    struct timespec now = {0, 0};
+    if (to_set & (FUSE_SET_ATTR_ATIME_NOW | FUSE_SET_ATTR_MTIME_NOW))
+        clock_gettime(CLOCK_REALTIME, &now);
+    int64_t now_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+#define NS(ts) ((int64_t)(ts).tv_sec * 1000000000 + (ts).tv_nsec)
+    enter();
+    PyObject *none = Py_None;
+    PyObject *a[9];
+    a[0] = u64(ino);
+    a[1] = (to_set & FUSE_SET_ATTR_MODE) ? u64(attr->st_mode) : Py_NewRef(none);
+    a[2] = (to_set & FUSE_SET_ATTR_UID) ? u64(attr->st_uid) : Py_NewRef(none);
+    a[3] = (to_set & FUSE_SET_ATTR_GID) ? u64(attr->st_gid) : Py_NewRef(none);
+    a[4] = (to_set & FUSE_SET_ATTR_SIZE) ? u64((uint64_t)attr->st_size) : Py_NewRef(none);
+    a[5] = (to_set & FUSE_SET_ATTR_ATIME) ? i64(NS(attr->st_atim))
+         : (to_set & FUSE_SET_ATTR_ATIME_NOW) ? i64(now_ns) : Py_NewRef(none);
+    a[6] = (to_set & FUSE_SET_ATTR_MTIME) ? i64(NS(attr->st_mtim))
+         : (to_set & FUSE_SET_ATTR_MTIME_NOW) ? i64(now_ns) : Py_NewRef(none);
+    a[7] = (to_set & FUSE_SET_ATTR_CTIME) ? i64(NS(attr->st_ctim)) : Py_NewRef(none);
+    a[8] = fi != NULL ? u64(fi->fh) : Py_NewRef(none);
+#undef NS
+    reply_attr_result(req, s, OP_SETATTR, call(s, OP_SETATTR, a, 9));
+}
+
+/* A reply of bytes (readlink): NUL-terminated for fuse_reply_readlink. */
+static void ll_readlink(fuse_req_t req, fuse_ino_t ino)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino)};
+    PyObject *r = call(s, OP_READLINK, a, 1);
+    char *target = NULL;
+    int err = 0;
+    if (r == NULL || !PyBytes_Check(r)) {
+        if (r != NULL)
+            PyErr_SetString(PyExc_TypeError, "readlink must return bytes");
+        err = take_error(s, OP_READLINK);
+    } else {
+        target = strndup(PyBytes_AS_STRING(r), (size_t)PyBytes_GET_SIZE(r));
+        if (target == NULL)
+            err = ENOMEM;
+    }
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_readlink(req, target);
+    free(target);
+}
+
+static void ll_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[8] = {u64(parent), name_of(name), u64(mode), u64(rdev)};
+    ctx_args(req, a + 4);
+    reply_entry_result(req, s, OP_MKNOD, call(s, OP_MKNOD, a, 8));
+}
+
+static void ll_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[7] = {u64(parent), name_of(name), u64(mode)};
+    ctx_args(req, a + 3);
+    reply_entry_result(req, s, OP_MKDIR, call(s, OP_MKDIR, a, 7));
+}
+
+static void ll_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(parent), name_of(name)};
+    reply_none_result(req, s, OP_UNLINK, call(s, OP_UNLINK, a, 2));
+}
+
+static void ll_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(parent), name_of(name)};
+    reply_none_result(req, s, OP_RMDIR, call(s, OP_RMDIR, a, 2));
+}
+
+static void ll_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[7] = {u64(parent), name_of(name), name_of(link)};
+    ctx_args(req, a + 3);
+    reply_entry_result(req, s, OP_SYMLINK, call(s, OP_SYMLINK, a, 7));
+}
+
+static void ll_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(parent), name_of(name), u64(newparent), name_of(newname), u64(flags)};
+    reply_none_result(req, s, OP_RENAME, call(s, OP_RENAME, a, 5));
+}
+
+static void ll_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino), u64(newparent), name_of(newname)};
+    reply_entry_result(req, s, OP_LINK, call(s, OP_LINK, a, 3));
+}
+
+/* An open whose opener was interrupted before the reply: nobody will release the handle. */
+static void release_unanswered(Session *s, enum op op, uint64_t fh)
+{
+    enter();
+    PyObject *a[] = {u64(fh)};
+    PyObject *r = call(s, op, a, 1);
+    if (r == NULL)
+        take_error(s, op);
+    Py_XDECREF(r);
+    leave();
+}
+
+static void ll_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino), i64(fi->flags)};
+    PyObject *r = call(s, OP_OPEN, a, 2);
+    int err = 0;
+    if (r == NULL || open_from(r, fi) < 0)
+        err = take_error(s, OP_OPEN);
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else if (fuse_reply_open(req, fi) == -ENOENT) {
+        release_unanswered(s, OP_RELEASE, fi->fh);
+    }
+}
+
+static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    struct fuse_entry_param e;
+    enter();
+    PyObject *a[8] = {u64(parent), name_of(name), u64(mode), i64(fi->flags)};
+    ctx_args(req, a + 4);
+    PyObject *r = call(s, OP_CREATE, a, 8);
+    int err = 0;
+    if (r == NULL || open_from(r, fi) < 0)
+        err = take_error(s, OP_CREATE);
+    else if (PyTuple_GET_SIZE(r) != 5) {
+        PyErr_SetString(PyExc_TypeError, "create must return (fh, backing_id, keep_cache, direct_io, entry)");
+        err = take_error(s, OP_CREATE);
+    } else if (entry_from(PyTuple_GET_ITEM(r, 4), &e) < 0)
+        err = take_error(s, OP_CREATE);
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else if (fuse_reply_create(req, &e, fi) == -ENOENT) {
+        release_unanswered(s, OP_RELEASE, fi->fh);
+    }
+}
+
+/* Reply with the bytes of a buffer object, the GIL dropped while the kernel copies them. */
+static void reply_buffer_result(fuse_req_t req, Session *s, enum op op, PyObject *r)
+{
+    Py_buffer view;
+    if (r == NULL || PyObject_GetBuffer(r, &view, PyBUF_SIMPLE) < 0) {
+        int err = take_error(s, op);
+        Py_XDECREF(r);
+        leave();
+        fuse_reply_err(req, err);
+        return;
+    }
+    leave();
+    fuse_reply_buf(req, view.buf, (size_t)view.len);
+    enter();
+    PyBuffer_Release(&view);
+    Py_DECREF(r);
+    leave();
+}
+
+static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    (void)ino;
+    enter();
+    PyObject *a[] = {u64(fi->fh), i64(off), u64(size)};
+    reply_buffer_result(req, s, OP_READ, call(s, OP_READ, a, 3));
+}
+
+static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
+                     struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    (void)ino;
+    enter();
+    /* A view of libfuse's buffer, not a copy; released after the call, so nothing can keep
+     * reading memory the next request overwrites. */
+    PyObject *view = PyMemoryView_FromMemory((char *)buf, (Py_ssize_t)size, PyBUF_READ);
+    PyObject *a[] = {u64(fi->fh), i64(off), Py_XNewRef(view)};
+    PyObject *r = call(s, OP_WRITE, a, 3);
+    if (view != NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb); /* the handler's error, if any, is the answer */
+        PyObject *released = PyObject_CallMethod(view, "release", NULL);
+        if (released == NULL) { /* a view of it was kept: the request cannot be trusted */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_CLEAR(r);
+            PyErr_Clear();
+            PyErr_SetString(PyExc_RuntimeError, "a write's buffer was kept past the request");
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+        Py_XDECREF(released);
+        Py_DECREF(view);
+    }
+    size_t written = 0;
+    int err = 0;
+    if (r == NULL)
+        err = take_error(s, OP_WRITE);
+    else {
+        written = PyLong_AsSize_t(r);
+        if (written == (size_t)-1 && PyErr_Occurred())
+            err = take_error(s, OP_WRITE);
+    }
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_write(req, written);
+}
+
+/* Requests on an open handle answered with no data: ops.<op>(fh) or ops.<op>(fh, datasync). */
+static void answer_fh(fuse_req_t req, enum op op, uint64_t fh, int datasync)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(fh), datasync < 0 ? NULL : PyBool_FromLong(datasync)};
+    reply_none_result(req, s, op, call(s, op, a, datasync < 0 ? 1 : 2));
+}
+
+static void ll_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    answer_fh(req, OP_FLUSH, fi->fh, -1);
+}
+
+static void ll_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    answer_fh(req, OP_RELEASE, fi->fh, -1);
+}
+
+static void ll_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi)
+{
+    answer_fh(req, OP_FSYNC, fi->fh, datasync);
+}
+
+static void ll_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino)};
+    PyObject *r = call(s, OP_OPENDIR, a, 1);
+    int err = 0;
+    if (r == NULL)
+        err = take_error(s, OP_OPENDIR);
+    else {
+        fi->fh = PyLong_AsUnsignedLongLong(r);
+        if (fi->fh == (uint64_t)-1 && PyErr_Occurred())
+            err = take_error(s, OP_OPENDIR);
+    }
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else if (fuse_reply_open(req, fi) == -ENOENT) {
+        release_unanswered(s, OP_RELEASEDIR, fi->fh);
+    }
+}
+
+/* READDIRPLUS: ops.readdir(fh, off) gives [(name, entry, next_off), ...]; as many as fit go
+ * into the reply, and ops.readdir_taken(fh, inos) counts the kernel's new references to them
+ * before the reply goes out (so no FORGET of them can come first). */
+static void ll_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    Session *s = session_of(req);
+    (void)ino;
+    char *buf = malloc(size ? size : 1);
+    size_t used = 0;
+    int err = 0;
+    if (buf == NULL) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    enter();
+    PyObject *a[] = {u64(fi->fh), i64(off)};
+    PyObject *r = call(s, OP_READDIR, a, 2);
+    PyObject *taken = NULL;
+    if (r == NULL || !PyList_Check(r)) {
+        if (r != NULL)
+            PyErr_SetString(PyExc_TypeError, "readdir must return a list");
+        err = take_error(s, OP_READDIR);
+        goto done;
+    }
+    taken = PyList_New(0);
+    if (taken == NULL) {
+        err = take_error(s, OP_READDIR);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r); i++) {
+        PyObject *item = PyList_GET_ITEM(r, i);
+        struct fuse_entry_param e;
+        int64_t next;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(item, 0))) {
+            PyErr_SetString(PyExc_TypeError, "readdir items must be (name, entry, next_offset)");
+            err = take_error(s, OP_READDIR);
+            goto done;
+        }
+        if (entry_from(PyTuple_GET_ITEM(item, 1), &e) < 0 || item_i64(item, 2, &next) < 0) {
+            err = take_error(s, OP_READDIR);
+            goto done;
+        }
+        size_t need = fuse_add_direntry_plus(req, buf + used, size - used, PyBytes_AS_STRING(PyTuple_GET_ITEM(item, 0)),
+                                             &e, next);
+        if (need > size - used)
+            break;
+        used += need;
+        if (PyList_Append(taken, PyTuple_GET_ITEM(PyTuple_GET_ITEM(item, 1), 0)) < 0) {
+            err = take_error(s, OP_READDIR);
+            goto done;
+        }
+    }
+    if (PyList_GET_SIZE(taken) > 0) {
+        PyObject *b[] = {u64(fi->fh), Py_NewRef(taken)};
+        PyObject *rr = call(s, OP_READDIR_TAKEN, b, 2);
+        if (rr == NULL)
+            err = take_error(s, OP_READDIR_TAKEN);
+        Py_XDECREF(rr);
+    }
+done:
+    Py_XDECREF(taken);
+    Py_XDECREF(r);
+    leave();
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_buf(req, buf, used);
+    free(buf);
+}
+
+static void ll_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    answer_fh(req, OP_RELEASEDIR, fi->fh, -1);
+}
+
+static void ll_fsyncdir(fuse_req_t req, fuse_ino_t ino, int datasync, struct fuse_file_info *fi)
+{
+    answer_fh(req, OP_FSYNCDIR, fi->fh, datasync);
+}
+
+static void ll_statfs(fuse_req_t req, fuse_ino_t ino)
+{
+    Session *s = session_of(req);
+    struct statvfs st;
+    uint64_t v[9];
+    int err = 0;
+    (void)ino;
+    memset(&st, 0, sizeof(st));
+    enter();
+    PyObject *r = call(s, OP_STATFS, NULL, 0);
+    if (r == NULL || !PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 9) {
+        if (r != NULL)
+            PyErr_SetString(PyExc_TypeError, "statfs must return 9 numbers");
+        err = take_error(s, OP_STATFS);
+    } else {
+        for (int i = 0; i < 9 && !err; i++)
+            if (item_u64(r, i, &v[i]) < 0)
+                err = take_error(s, OP_STATFS);
+    }
+    Py_XDECREF(r);
+    leave();
+    if (err) {
+        fuse_reply_err(req, err);
+        return;
+    }
+    st.f_bsize = v[0];
+    st.f_frsize = v[1];
+    st.f_blocks = v[2];
+    st.f_bfree = v[3];
+    st.f_bavail = v[4];
+    st.f_files = v[5];
+    st.f_ffree = v[6];
+    st.f_favail = v[7];
+    st.f_namemax = v[8];
+    fuse_reply_statfs(req, &st);
+}
+
+static void ll_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value, size_t size, int flags)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino), name_of(name), PyBytes_FromStringAndSize(value, (Py_ssize_t)size), i64(flags)};
+    reply_none_result(req, s, OP_SETXATTR, call(s, OP_SETXATTR, a, 4));
+}
+
+/* getxattr and listxattr: size 0 asks for the length; a value longer than size is ERANGE. */
+static void reply_xattr_result(fuse_req_t req, Session *s, enum op op, PyObject *r, size_t size)
+{
+    if (r == NULL || !PyBytes_Check(r)) {
+        if (r != NULL)
+            PyErr_SetString(PyExc_TypeError, "an xattr reply must be bytes");
+        int err = take_error(s, op);
+        Py_XDECREF(r);
+        leave();
+        fuse_reply_err(req, err);
+        return;
+    }
+    size_t len = (size_t)PyBytes_GET_SIZE(r);
+    char *copy = NULL;
+    if (size != 0 && len <= size) {
+        copy = malloc(len ? len : 1);
+        if (copy != NULL)
+            memcpy(copy, PyBytes_AS_STRING(r), len);
+    }
+    Py_DECREF(r);
+    leave();
+    if (size == 0)
+        fuse_reply_xattr(req, len);
+    else if (len > size)
+        fuse_reply_err(req, ERANGE);
+    else if (copy == NULL)
+        fuse_reply_err(req, ENOMEM);
+    else
+        fuse_reply_buf(req, copy, len);
+    free(copy);
+}
+
+static void ll_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size)
+{
+    Session *s = session_of(req);
+    if (s->user_xattrs_only && strncmp(name, "user.", 5) != 0) {
+        /* FUSE clears SB_NOSEC, so the kernel asks for security.capability before every
+         * write(2): answered here, without the GIL. (ENOSYS would stop all getxattr.) */
+        fuse_reply_err(req, ENODATA);
+        return;
+    }
+    enter();
+    PyObject *a[] = {u64(ino), name_of(name)};
+    reply_xattr_result(req, s, OP_GETXATTR, call(s, OP_GETXATTR, a, 2), size);
+}
+
+static void ll_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino)};
+    reply_xattr_result(req, s, OP_LISTXATTR, call(s, OP_LISTXATTR, a, 1), size);
+}
+
+static void ll_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
+{
+    Session *s = session_of(req);
+    enter();
+    PyObject *a[] = {u64(ino), name_of(name)};
+    reply_none_result(req, s, OP_REMOVEXATTR, call(s, OP_REMOVEXATTR, a, 2));
+}
+
+static const struct fuse_lowlevel_ops ll_ops = {
+    .init = ll_init,
+    .lookup = ll_lookup,
+    .forget = ll_forget,
+    .forget_multi = ll_forget_multi,
+    .getattr = ll_getattr,
+    .setattr = ll_setattr,
+    .readlink = ll_readlink,
+    .mknod = ll_mknod,
+    .mkdir = ll_mkdir,
+    .unlink = ll_unlink,
+    .rmdir = ll_rmdir,
+    .symlink = ll_symlink,
+    .rename = ll_rename,
+    .link = ll_link,
+    .open = ll_open,
+    .read = ll_read,
+    .write = ll_write,
+    .flush = ll_flush,
+    .release = ll_release,
+    .fsync = ll_fsync,
+    .opendir = ll_opendir,
+    .readdirplus = ll_readdirplus,
+    .releasedir = ll_releasedir,
+    .fsyncdir = ll_fsyncdir,
+    .statfs = ll_statfs,
+    .setxattr = ll_setxattr,
+    .getxattr = ll_getxattr,
+    .listxattr = ll_listxattr,
+    .removexattr = ll_removexattr,
+    .create = ll_create,
+};
+
+/* ---- the worker pool ------------------------------------------------------------------------ */
+
+static void on_wake_signal(int sig) { (void)sig; }
+
+static sigset_t wake_set(void)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, WAKE_SIGNAL);
+    return set;
+}
+
+static int start_worker(Session *s);
+
+static void account(Session *s, uint32_t opcode, uint64_t ns, uint64_t gil_ns)
+{
+    struct op_stat *st = &s->stats[opcode < N_OPCODES && opcode_names[opcode] ? opcode : 0];
+    double seconds = (double)ns / 1e9;
+    int b = 0;
+    while (b < N_BUCKETS && seconds > bucket_bounds[b])
+        b++;
+    __atomic_fetch_add(&st->count, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&st->ns, ns, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&st->gil_ns, gil_ns, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&st->buckets[b], 1, __ATOMIC_RELAXED);
+}
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    Session *s = w->s;
+    sigset_t wake = wake_set();
+    /* Python thread state for the life of this thread */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    w->ts = PyThreadState_Get();
+    (void)PyEval_SaveThread();
+    this_worker = w;
+
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        int exiting = s->exiting;
+        if (!exiting)
+            w->reading = 1;
+        pthread_mutex_unlock(&s->lock);
+        if (exiting)
+            break;
+        /* Only while reading may WAKE_SIGNAL come in (a pending one comes in here). */
+        pthread_sigmask(SIG_UNBLOCK, &wake, NULL);
+        int res = s->exiting ? -EINTR : fuse_session_receive_buf(s->se, &w->buf);
+        pthread_sigmask(SIG_BLOCK, &wake, NULL);
+        pthread_mutex_lock(&s->lock);
+        w->reading = 0;
+        if (res == -EINTR || res == -EAGAIN) {
+            pthread_mutex_unlock(&s->lock);
+            continue;
+        }
+        if (res <= 0) {
+            /* 0: unmounted (ENODEV) or the session was told to exit; < 0: an error */
+            if (res < 0 && s->error == 0)
+                s->error = -res;
+            s->exiting = 1;
+            pthread_mutex_unlock(&s->lock);
+            break;
+        }
+        s->n_idle--;
+        int spawn = s->n_idle == 0 && s->n_workers < s->max_threads && !s->exiting;
+        pthread_mutex_unlock(&s->lock);
+        if (spawn)
+            start_worker(s);
+        uint32_t opcode = ((const struct { uint32_t len, opcode; } *)w->buf.mem)->opcode;
+        uint64_t started = now_ns();
+        w->gil_ns = 0;
+        fuse_session_process_buf(s->se, &w->buf);
+        account(s, opcode, now_ns() - started, w->gil_ns);
+        if (w->init_handled) {
+            /* INIT's reply is in the kernel now: what must follow it (the mount's read-ahead) */
+            w->init_handled = 0;
+            enter();
+            PyObject *r = call(s, OP_INIT_REPLIED, NULL, 0);
+            if (r == NULL)
+                take_error(s, OP_INIT_REPLIED);
+            Py_XDECREF(r);
+            leave();
+        }
+        pthread_mutex_lock(&s->lock);
+        s->n_idle++;
+        pthread_mutex_unlock(&s->lock);
+    }
+
+    PyEval_RestoreThread(w->ts);
+    PyGILState_Release(gil);
+    this_worker = NULL;
+    pthread_mutex_lock(&s->lock);
+    s->n_running--;
+    s->n_idle--;
+    if (!s->exiting) { /* a worker ending means the loop ends: tell the others */
+        s->exiting = 1;
+    }
+    pthread_cond_broadcast(&s->ended);
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+/* Start one more worker (with s->lock not held). */
+static int start_worker(Session *s)
+{
+    struct worker *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return -1;
+    w->s = s;
+    sigset_t block, old;
+    sigemptyset(&block);
+    /* Signals the Python main thread handles never come to a worker; the wake signal only
+     * while the worker reads (see worker_main). */
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGINT);
+    sigaddset(&block, SIGHUP);
+    sigaddset(&block, SIGQUIT);
+    sigaddset(&block, SIGCHLD);
+    sigaddset(&block, SIGUSR1);
+    sigaddset(&block, SIGUSR2);
+    sigaddset(&block, WAKE_SIGNAL);
+    pthread_mutex_lock(&s->lock);
+    if (s->n_workers >= s->max_threads || s->exiting) {
+        pthread_mutex_unlock(&s->lock);
+        free(w);
+        return -1;
+    }
+    s->n_workers++;
+    s->n_running++;
+    s->n_idle++;
+    w->next = s->workers;
+    s->workers = w;
+    pthread_sigmask(SIG_BLOCK, &block, &old);
+    int rc = pthread_create(&w->tid, NULL, worker_main, w);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        s->workers = w->next;
+        s->n_workers--;
+        s->n_running--;
+        s->n_idle--;
+        pthread_mutex_unlock(&s->lock);
+        free(w);
+        return -1;
+    }
+    pthread_mutex_unlock(&s->lock);
+    return 0;
+}
+
+/* With s->lock held: signal every worker blocked reading. */
+static void wake_readers(Session *s)
+{
+    for (struct worker *w = s->workers; w != NULL; w = w->next)
+        if (w->reading)
+            pthread_kill(w->tid, WAKE_SIGNAL);
+}
+
+/* ---- the Session type ----------------------------------------------------------------------- */
+
+static int Session_init(Session *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ops", "mountpoint", "options", "passthrough", "writeback_cache",
+                             "atomic_o_trunc", "direct_io_mmap", "export_support", "max_threads",
+                             "max_backing_stack_depth", "user_xattrs_only", NULL};
+    PyObject *ops, *options;
+    const char *mountpoint;
+    int passthrough = 0, writeback = 1, atomic = 1, dio_mmap = 0, export_support = 1, max_threads = 64;
+    int user_xattrs_only = 0;
+    unsigned int depth = 1;
+    if (self->se != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "session already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIp", kwlist, &ops, &mountpoint, &options,
+                                     &passthrough, &writeback, &atomic, &dio_mmap, &export_support,
+                                     &max_threads, &depth, &user_xattrs_only))
+        return -1;
+    if (max_threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_threads must be at least 1");
+        return -1;
+    }
+    for (int i = 0; i < N_OPS; i++) {
+        /* an op the object lacks is answered ENOSYS */
+        self->methods[i] = PyObject_GetAttrString(ops, op_names[i]);
+        if (self->methods[i] == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+        }
+    }
+    self->ops = Py_NewRef(ops);
+    self->interp = PyThreadState_GetInterpreter(PyThreadState_Get());
+    self->want_passthrough = passthrough;
+    self->want_writeback = writeback;
+    self->want_atomic_o_trunc = atomic;
+    self->want_dio_mmap = dio_mmap;
+    self->want_export = export_support;
+    self->max_threads = max_threads;
+    self->max_backing_stack_depth = depth;
+    self->user_xattrs_only = user_xattrs_only;
+
+    PyObject *seq = PySequence_Fast(options, "options must be a sequence of str");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    char **argv = calloc((size_t)(2 * n + 2), sizeof(char *));
+    if (argv == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    int argc = 0;
+    argv[argc++] = strdup("ckptfs");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *opt = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+        if (opt == NULL) {
+            for (int j = 0; j < argc; j++)
+                free(argv[j]);
+            free(argv);
+            Py_DECREF(seq);
+            return -1;
+        }
+        argv[argc++] = strdup("-o");
+        argv[argc++] = strdup(opt);
+    }
+    Py_DECREF(seq);
+    struct fuse_args fargs = FUSE_ARGS_INIT(argc, argv);
+    struct fuse_session *se = fuse_session_new(&fargs, &ll_ops, sizeof(ll_ops), self);
+    fuse_opt_free_args(&fargs);
+    for (int j = 0; j < argc; j++)
+        free(argv[j]);
+    free(argv);
+    if (se == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "fuse_session_new() failed (see the log for the option it refused)");
+        return -1;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fuse_session_mount(se, mountpoint);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        fuse_session_destroy(se);
+        PyErr_Format(PyExc_RuntimeError, "fuse_session_mount(%s) failed", mountpoint);
+        return -1;
+    }
+    self->se = se;
+    self->mounted = 1;
+    self->fd = fuse_session_fd(se);
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_cond_init(&self->ended, NULL);
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_wake_signal; /* no SA_RESTART: a read(2) it hits returns EINTR */
+    sigemptyset(&sa.sa_mask);
+    sigaction(WAKE_SIGNAL, &sa, NULL);
+    return 0;
+}
+
+static PyObject *Session_run(Session *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->se == NULL || self->running) {
+        PyErr_SetString(PyExc_RuntimeError, "the session is closed or already running");
+        return NULL;
+    }
+    self->running = 1;
+    self->error = 0;
+    PyObject *signalled = NULL; /* what a Python signal handler raised (main thread only) */
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    started = start_worker(self) == 0;
+    if (started) {
+        pthread_mutex_lock(&self->lock);
+        while (self->n_running > 0) {
+            /* A wake signal can slip in between a worker's check and its read(2): repeat it
+             * while exiting. Otherwise wake up now and then for Python's signal handlers,
+             * which only run when the main thread runs Python (run() may be called there). */
+            if (self->exiting)
+                wake_readers(self);
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += (self->exiting ? 50 : 200) * 1000 * 1000;
+            if (until.tv_nsec >= 1000000000) {
+                until.tv_sec += 1;
+                until.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&self->ended, &self->lock, &until);
+            if (!self->exiting && self->n_running > 0 && signalled == NULL) {
+                pthread_mutex_unlock(&self->lock); /* (exit() takes the GIL, then the lock) */
+                Py_BLOCK_THREADS
+                if (PyErr_CheckSignals() < 0) {
+                    PyObject *type, *tb;
+                    PyErr_Fetch(&type, &signalled, &tb);
+                    PyErr_NormalizeException(&type, &signalled, &tb);
+                    if (signalled != NULL && tb != NULL)
+                        PyException_SetTraceback(signalled, tb);
+                    Py_XDECREF(type);
+                    Py_XDECREF(tb);
+                    if (signalled == NULL)
+                        signalled = Py_NewRef(PyExc_RuntimeError);
+                }
+                Py_UNBLOCK_THREADS
+                pthread_mutex_lock(&self->lock);
+                if (signalled != NULL) { /* e.g. KeyboardInterrupt: end, then raise it */
+                    self->exiting = 1;
+                    fuse_session_exit(self->se);
+                }
+            }
+        }
+        pthread_mutex_unlock(&self->lock);
+    } else {
+        self->error = EAGAIN;
+    }
+    for (struct worker *w = self->workers; w != NULL; w = w->next)
+        pthread_join(w->tid, NULL);
+    while (self->workers != NULL) {
+        struct worker *w = self->workers;
+        self->workers = w->next;
+        free(w->buf.mem);
+        free(w);
+    }
+    self->n_workers = self->n_idle = 0;
+    Py_END_ALLOW_THREADS
+    self->running = 0;
+    int error = self->error;
+    self->exiting = 0;
+    fuse_session_reset(self->se);
+    if (signalled != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(signalled), signalled);
+        Py_DECREF(signalled);
+        return NULL;
+    }
+    if (error != 0) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_exit(Session *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->se == NULL)
+        Py_RETURN_NONE;
+    pthread_mutex_lock(&self->lock);
+    self->exiting = 1;
+    fuse_session_exit(self->se);
+    wake_readers(self);
+    pthread_cond_broadcast(&self->ended);
+    pthread_mutex_unlock(&self->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_unmount(Session *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->se != NULL && self->mounted) {
+        Py_BEGIN_ALLOW_THREADS
+        fuse_session_unmount(self->se);
+        Py_END_ALLOW_THREADS
+        self->mounted = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static void session_free(Session *self)
+{
+    if (self->se != NULL && !self->running) {
+        if (self->mounted)
+            fuse_session_unmount(self->se);
+        fuse_session_destroy(self->se);
+        self->se = NULL;
+        pthread_mutex_destroy(&self->lock);
+        pthread_cond_destroy(&self->ended);
+    }
+}
+
+static PyObject *Session_destroy(Session *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->se == NULL)
+        Py_RETURN_NONE;
+    if (self->running) {
+        /* run() is still returning in another thread (its caller was cancelled): end it and
+         * wait; run() needs the GIL to finish, so wait without it. */
+        Session_exit(self, NULL);
+        Py_DECREF(Py_None);
+        while (self->running) {
+            Py_BEGIN_ALLOW_THREADS
+            usleep(10000);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    session_free(self);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static void Session_dealloc(Session *self)
+{
+    session_free(self);
+    for (int i = 0; i < N_OPS; i++)
+        Py_CLEAR(self->methods[i]);
+    Py_CLEAR(self->ops);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Session_get_fd(Session *self, void *c) { (void)c; return PyLong_FromLong(self->se ? self->fd : -1); }
+static PyObject *Session_get_pt(Session *self, void *c) { (void)c; return PyBool_FromLong(self->passthrough_granted); }
+static PyObject *Session_get_wb(Session *self, void *c) { (void)c; return PyBool_FromLong(self->writeback_granted); }
+static PyObject *Session_get_dm(Session *self, void *c) { (void)c; return PyBool_FromLong(self->dio_mmap_granted); }
+static PyObject *Session_get_threads(Session *self, void *c)
+{
+    (void)c;
+    pthread_mutex_lock(&self->lock);
+    int n = self->n_workers;
+    pthread_mutex_unlock(&self->lock);
+    return PyLong_FromLong(n);
+}
+
+/* {op: (count, seconds, (per-bucket counts, the last above every bound), seconds waiting for
+ * the GIL)} for the requests served so far; the bounds are BUCKET_BOUNDS. */
+static PyObject *Session_request_stats(Session *self, PyObject *unused)
+{
+    (void)unused;
+    struct op_stat sum[N_OPCODES];
+    memset(sum, 0, sizeof(sum));
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    for (int op = 0; op < N_OPCODES; op++) {
+        struct op_stat *st = &self->stats[op];
+        uint64_t count = __atomic_load_n(&st->count, __ATOMIC_RELAXED);
+        if (count == 0)
+            continue;
+        const char *name = opcode_names[op] ? opcode_names[op] : "other";
+        /* opcodes that share a name (forget, readdir, rename) are added up */
+        int first = op;
+        for (int o = 0; o < op; o++)
+            if (opcode_names[o] && opcode_names[op] && strcmp(opcode_names[o], name) == 0) {
+                first = o;
+                break;
+            }
+        sum[first].count += count;
+        sum[first].ns += __atomic_load_n(&st->ns, __ATOMIC_RELAXED);
+        sum[first].gil_ns += __atomic_load_n(&st->gil_ns, __ATOMIC_RELAXED);
+        for (int b = 0; b <= N_BUCKETS; b++)
+            sum[first].buckets[b] += __atomic_load_n(&st->buckets[b], __ATOMIC_RELAXED);
+    }
+    for (int op = 0; op < N_OPCODES; op++) {
+        if (sum[op].count == 0)
+            continue;
+        PyObject *buckets = PyTuple_New(N_BUCKETS + 1);
+        if (buckets == NULL)
+            goto fail;
+        for (int b = 0; b <= N_BUCKETS; b++)
+            PyTuple_SET_ITEM(buckets, b, PyLong_FromUnsignedLongLong(sum[op].buckets[b]));
+        PyObject *v = Py_BuildValue("(KdNd)", (unsigned long long)sum[op].count, (double)sum[op].ns / 1e9, buckets,
+                                    (double)sum[op].gil_ns / 1e9);
+        if (v == NULL || PyDict_SetItemString(out, opcode_names[op] ? opcode_names[op] : "other", v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef Session_methods[] = {
+    {"request_stats", (PyCFunction)Session_request_stats, METH_NOARGS,
+     "{op: (count, seconds, bucket counts)} of the requests served so far."},
+    {"run", (PyCFunction)Session_run, METH_NOARGS, "Serve requests until unmounted or exit()."},
+    {"exit", (PyCFunction)Session_exit, METH_NOARGS, "Make run() return (from any thread)."},
+    {"unmount", (PyCFunction)Session_unmount, METH_NOARGS, "Unmount (lazily, as libfuse does)."},
+    {"destroy", (PyCFunction)Session_destroy, METH_NOARGS, "Unmount if mounted and free the session."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Session_getset[] = {
+    {"fd", (getter)Session_get_fd, NULL, "the /dev/fuse file descriptor", NULL},
+    {"passthrough_granted", (getter)Session_get_pt, NULL, "INIT negotiated FUSE passthrough", NULL},
+    {"writeback_cache_granted", (getter)Session_get_wb, NULL, "INIT negotiated the writeback cache", NULL},
+    {"direct_io_mmap_granted", (getter)Session_get_dm, NULL, "INIT negotiated FUSE_DIRECT_IO_ALLOW_MMAP", NULL},
+    {"threads", (getter)Session_get_threads, NULL, "worker threads started", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SessionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ckptfs_fuse.Session",
+    .tp_basicsize = sizeof(Session),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A mounted FUSE session served by a pool of threads calling a Python ops object.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Session_init,
+    .tp_dealloc = (destructor)Session_dealloc,
+    .tp_methods = Session_methods,
+    .tp_getset = Session_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "ckptfs_fuse",
+    "The ckptfs gateway's FUSE front end over libfuse's low-level API (native/ckptfs_fuse.c).",
+    -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit_ckptfs_fuse(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyType_Ready(&SessionType) < 0)
+        return NULL;
+    PyModule_AddObjectRef(m, "Session", (PyObject *)&SessionType);
+    /* class FuseError(Exception) with an ``errno`` attribute, defined in Python for brevity */
+    PyObject *ns = PyDict_New();
+    if (ns == NULL)
+        return NULL;
+    PyDict_SetItemString(ns, "__builtins__", PyEval_GetBuiltins());
+    PyObject *modname = PyUnicode_FromString("ckptfs_fuse");
+    PyDict_SetItemString(ns, "__name__", modname);
+    Py_XDECREF(modname);
+    PyObject *res = PyRun_String(
+        "import os as _os\n"
+        "class FuseError(Exception):\n"
+        "    \"\"\"Answer a FUSE request with an errno: raise FuseError(errno.ENOENT).\"\"\"\n"
+        "    def __init__(self, errno):\n"
+        "        super().__init__(errno)\n"
+        "        self.errno = errno\n"
+        "    def __str__(self):\n"
+        "        return f'[Errno {self.errno}] {_os.strerror(self.errno)}'\n",
+        Py_file_input, ns, ns);
+    if (res == NULL) {
+        Py_DECREF(ns);
+        return NULL;
+    }
+    Py_DECREF(res);
+    FuseError = PyDict_GetItemString(ns, "FuseError");
+    Py_XINCREF(FuseError);
+    Py_DECREF(ns);
+    if (FuseError == NULL)
+        return NULL;
+    PyModule_AddObjectRef(m, "FuseError", FuseError);
+    PyModule_AddStringConstant(m, "LIBFUSE_VERSION", fuse_pkgversion());
+    PyModule_AddIntConstant(m, "HAVE_PASSTHROUGH", 1);
+    PyModule_AddIntConstant(m, "ROOT_INODE", FUSE_ROOT_ID);
+    PyObject *bounds = PyTuple_New(N_BUCKETS);
+    for (int b = 0; bounds != NULL && b < N_BUCKETS; b++)
+        PyTuple_SET_ITEM(bounds, b, PyFloat_FromDouble(bucket_bounds[b]));
+    if (bounds == NULL || PyModule_AddObject(m, "BUCKET_BOUNDS", bounds) < 0)
+        return NULL;
+    return m;
+}
