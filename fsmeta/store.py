@@ -225,6 +225,40 @@ class _TxnGate:
                 self._cond.notify_all()
 
 
+class _Reading:
+    """:meth:`MetaStore.read`: the open batch (under ``_batch_lock``) if there is one, else a
+    read transaction of its own. A class rather than a generator: every request reads fsmeta,
+    and a generator-based context manager costs several times as much to enter and leave."""
+
+    __slots__ = ("store", "batch", "plain")
+
+    def __init__(self, store: "MetaStore"):
+        self.store = store
+        self.batch = None
+        self.plain = None
+
+    def __enter__(self) -> Txn:
+        store = self.store
+        if store._committer is not None:
+            store._batch_lock.acquire()
+            batch = store._batch
+            if batch is not None:
+                depth = store._batch_depth
+                depth.n = getattr(depth, "n", 0) + 1
+                self.batch = batch
+                return Txn(batch, store.dbs, write=False)
+            store._batch_lock.release()
+        self.plain = store._txn(write=False)
+        return Txn(self.plain.__enter__(), store.dbs, write=False)
+
+    def __exit__(self, *exc) -> bool | None:
+        if self.batch is not None:
+            self.store._batch_depth.n -= 1
+            self.store._batch_lock.release()
+            return None
+        return self.plain.__exit__(*exc)
+
+
 class MetaStore:
     def __init__(self, path: str, *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True):
         self.path = path
@@ -296,33 +330,9 @@ class MetaStore:
         with self._gate.exclusive():
             self.env.set_mapsize(size)
 
-    @contextlib.contextmanager
-    def _batch_turn(self) -> Iterator[lmdb.Transaction | None]:
-        """The open batch with ``_batch_lock`` held; None (and no lock) if none is open."""
-        self._batch_lock.acquire()
-        batch = self._batch
-        if batch is None:
-            self._batch_lock.release()
-            yield None
-            return
-        self._batch_depth.n = getattr(self._batch_depth, "n", 0) + 1
-        try:
-            yield batch
-        finally:
-            self._batch_depth.n -= 1
-            self._batch_lock.release()
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[Txn]:
+    def read(self) -> "_Reading":
         """A read transaction; with deferred commits it includes the writes not committed yet."""
-        if self._committer is not None:
-            with self._batch_turn() as batch:
-                if batch is not None:
-                    yield Txn(batch, self.dbs, write=False)
-            if batch is not None:
-                return
-        with self._txn(write=False) as raw:
-            yield Txn(raw, self.dbs, write=False)
+        return _Reading(self)
 
     @contextlib.contextmanager
     def read_committed(self) -> Iterator[Txn]:
@@ -353,15 +363,21 @@ class MetaStore:
                 self._grow()
 
     def _write_deferred(self, fn: Callable[[Txn], T]) -> T:
+        lock, depth = self._batch_lock, self._batch_depth
         while True:
-            with self._batch_turn() as batch:
+            with lock:
+                batch = self._batch
                 if batch is not None:
-                    child = self.env.begin(write=True, parent=batch)
+                    depth.n = getattr(depth, "n", 0) + 1
                     try:
-                        result = fn(Txn(child, self.dbs, write=True))
-                        child.commit()
+                        child = self.env.begin(write=True, parent=batch)
+                        try:
+                            result = fn(Txn(child, self.dbs, write=True))
+                            child.commit()
+                        finally:
+                            child.abort()  # a no-op after commit
                     finally:
-                        child.abort()  # a no-op after commit
+                        depth.n -= 1
                     self._write_seq += 1
                     self._last_write = time.monotonic()
                     return result

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 
-from ckptfs_fuse import ROOT_INODE, FuseError
+from ckptfs_fuse import OPEN_DIRECT_IO, OPEN_KEEP_CACHE, OPEN_NOFLUSH, ROOT_INODE, FuseError
 
 from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
@@ -194,7 +194,7 @@ class CkptOperations:
         attr = self.core.link(ino, new_parent, new_name)
         return _entry(attr, self._entry_timeout(new_parent))
 
-    # -- files: open replies are (fh, backing_id, keep_cache, direct_io) ---------------------
+    # -- files: open replies are (fh, backing_id, OPEN_* flags) --------------------------------
 
     def _opened(self, fh: int) -> tuple:
         # Passthrough: the kernel reads and writes the cache file itself (no keep_cache then).
@@ -204,14 +204,16 @@ class CkptOperations:
         if self.core.passthrough:
             bid = self.core.backing_id(fh)
             if bid:
-                return (fh, bid, False, False)
+                # No FLUSH at close(2): for a passthrough handle it would only store the size
+                # and times, which RELEASE stores as well, after close(2) has returned.
+                return (fh, bid, OPEN_NOFLUSH)
             # Served by the gateway (a file being fetched, or a writer under cache-space
             # pressure, gateway/space.py): pages the kernel cached at an earlier such open may be
             # stale after passthrough writes since. With direct I/O (where the kernel allows
             # shared mappings of such files) it caches none: no second copy of a cold read next
             # to the cache file's pages, which later passthrough opens read (docs/DESIGN.md).
-            return (fh, 0, False, self.direct_served_io)
-        return (fh, 0, True, False)
+            return (fh, 0, OPEN_DIRECT_IO if self.direct_served_io else 0)
+        return (fh, 0, OPEN_KEEP_CACHE)
 
     @_answer("open")
     def open(self, ino: int, flags: int) -> tuple:
@@ -221,7 +223,7 @@ class CkptOperations:
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, umask: int,
                pid: int) -> tuple:
         fh, attr = self.core.create(parent, name, mode, flags, Caller(uid, gid, umask, pid))
-        return (*self._opened(fh), _entry(attr, self._entry_timeout(parent)))
+        return (*self._opened(fh), _entry(attr, self._entry_timeout(parent)))  # (fh, bid, flags, entry)
 
     @_answer("read")
     def read(self, fh: int, offset: int, size: int) -> bytes:

@@ -300,21 +300,28 @@ static int entry_from(PyObject *t, struct fuse_entry_param *e)
     return 0;
 }
 
-/* (fh, backing_id, keep_cache, direct_io) into a fuse_file_info */
+/* Bits of an open reply's flags (module constants of the same names). */
+#define OPEN_KEEP_CACHE 1 /* keep the page cache of earlier opens (FOPEN_KEEP_CACHE) */
+#define OPEN_DIRECT_IO 2  /* no page cache: each read/write is a request (FOPEN_DIRECT_IO) */
+#define OPEN_NOFLUSH 4    /* close(2) sends no FLUSH (FOPEN_NOFLUSH): RELEASE alone ends it */
+
+/* (fh, backing_id, flags) into a fuse_file_info */
 static int open_from(PyObject *t, struct fuse_file_info *fi)
 {
-    uint64_t fh, keep, dio;
+    uint64_t fh, flags;
     int64_t bid;
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 4) {
-        PyErr_SetString(PyExc_TypeError, "an open reply must be (fh, backing_id, keep_cache, direct_io)");
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 3) {
+        PyErr_SetString(PyExc_TypeError, "an open reply must be (fh, backing_id, flags)");
         return -1;
     }
-    if (item_u64(t, 0, &fh) < 0 || item_i64(t, 1, &bid) < 0 || item_u64(t, 2, &keep) < 0 || item_u64(t, 3, &dio) < 0)
+    if (item_u64(t, 0, &fh) < 0 || item_i64(t, 1, &bid) < 0 || item_u64(t, 2, &flags) < 0)
         return -1;
     fi->fh = fh;
     fi->backing_id = (int32_t)bid;
-    fi->keep_cache = bid > 0 ? 0 : !!keep; /* the kernel rejects keep_cache on a passthrough open */
-    fi->direct_io = !!dio;
+    /* the kernel rejects keep_cache on a passthrough open */
+    fi->keep_cache = bid > 0 ? 0 : !!(flags & OPEN_KEEP_CACHE);
+    fi->direct_io = !!(flags & OPEN_DIRECT_IO);
+    fi->noflush = !!(flags & OPEN_NOFLUSH);
     return 0;
 }
 
@@ -617,10 +624,10 @@ static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     int err = 0;
     if (r == NULL || open_from(r, fi) < 0)
         err = take_error(s, OP_CREATE);
-    else if (PyTuple_GET_SIZE(r) != 5) {
-        PyErr_SetString(PyExc_TypeError, "create must return (fh, backing_id, keep_cache, direct_io, entry)");
+    else if (PyTuple_GET_SIZE(r) != 4) {
+        PyErr_SetString(PyExc_TypeError, "create must return (fh, backing_id, flags, entry)");
         err = take_error(s, OP_CREATE);
-    } else if (entry_from(PyTuple_GET_ITEM(r, 4), &e) < 0)
+    } else if (entry_from(PyTuple_GET_ITEM(r, 3), &e) < 0)
         err = take_error(s, OP_CREATE);
     Py_XDECREF(r);
     leave();
@@ -1522,6 +1529,9 @@ PyMODINIT_FUNC PyInit_ckptfs_fuse(void)
     PyModule_AddStringConstant(m, "LIBFUSE_VERSION", fuse_pkgversion());
     PyModule_AddIntConstant(m, "HAVE_PASSTHROUGH", 1);
     PyModule_AddIntConstant(m, "ROOT_INODE", FUSE_ROOT_ID);
+    PyModule_AddIntConstant(m, "OPEN_KEEP_CACHE", OPEN_KEEP_CACHE);
+    PyModule_AddIntConstant(m, "OPEN_DIRECT_IO", OPEN_DIRECT_IO);
+    PyModule_AddIntConstant(m, "OPEN_NOFLUSH", OPEN_NOFLUSH);
     PyObject *bounds = PyTuple_New(N_BUCKETS);
     for (int b = 0; bounds != NULL && b < N_BUCKETS; b++)
         PyTuple_SET_ITEM(bounds, b, PyFloat_FromDouble(bucket_bounds[b]));

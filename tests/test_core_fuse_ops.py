@@ -8,7 +8,7 @@ import logging
 import os
 
 import pytest
-from ckptfs_fuse import FuseError
+from ckptfs_fuse import OPEN_KEEP_CACHE, FuseError
 
 from conftest import ROOT, ROOT_CALLER
 from ckptfs.gateway import metrics
@@ -128,9 +128,9 @@ def test_forget_errors_are_counted_not_raised_to_a_reply(core, monkeypatch):
 
 def test_create_passes_the_caller_and_replies_with_handle_and_entry(core):
     ops = CkptOperations(core)
-    fh, backing_id, keep_cache, direct_io, entry = ops.create(ROOT, b"f", 0o100666, os.O_WRONLY, *CALLER)
+    fh, backing_id, flags, entry = ops.create(ROOT, b"f", 0o100666, os.O_WRONLY, *CALLER)
     assert (entry[5], entry[6], entry[3] & 0o777) == (1000, 1000, 0o644)  # uid, gid, mode & ~umask
-    assert backing_id == 0 and keep_cache and not direct_io  # no passthrough in this core
+    assert backing_id == 0 and flags == OPEN_KEEP_CACHE  # no passthrough in this core
     ops.release(fh)
 
 

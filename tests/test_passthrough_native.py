@@ -103,7 +103,7 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
             self.next_fh += 1
             if not self.session.passthrough_granted:
                 self.handles[fh] = (ino, fd)
-                return (fh, 0, False, False)
+                return (fh, 0, 0)  # (fh, backing id, OPEN_* flags)
             try:
                 ent = self.backing.get(ino)
                 if ent is None:  # first open of the inode: register its backing file
@@ -117,7 +117,7 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
             finally:
                 os.close(fd)  # the kernel holds its own reference to the backing file
             self.handles[fh] = (ino, None)
-            return (fh, ent[0], False, False)
+            return (fh, ent[0], 0)
 
         # namespace
         def lookup(self, parent, name):
