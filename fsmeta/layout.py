@@ -6,6 +6,7 @@
       meta/                 the fsmeta LMDB environment (data.mdb, lock.mdb); key schema
                             in :mod:`ckptfs.fsmeta.schema`
       data/<ino in hex>     sparse cache file holding a regular file's content
+      spare/<n>             empty files the gateway makes ahead of creates (removed at start)
       gateway.lock          flock held by the gateway serving this cache (holds its pid)
       drain.lock            flock held by the drain working on it (holds its pid)
       gateway.log           log of a daemonized gateway (``ckptfs mount`` without -f)
@@ -43,6 +44,10 @@ class CacheDir:
 
     def data_path(self, ino: int) -> str:
         return os.path.join(self.data_dir, f"{ino:x}")
+
+    @property
+    def spare_dir(self) -> str:
+        return os.path.join(self.root, "spare")
 
     @property
     def gateway_lock(self) -> str:

@@ -266,6 +266,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     meta.defer_commits(COMMIT_INTERVAL_SECONDS)
     limits = space.SpaceLimits.from_settings(settings, settings.cache_dir)
     core.enable_space(limits, markers=settings.markers)
+    core.enable_spares()
     log.info("cache cap %d bytes (evict from %d down to %d; writers wait up to %gs for room)",
              limits.cap, limits.high, limits.low, limits.timeout)
     supervisor = DrainSupervisor(settings)
@@ -314,6 +315,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             max_threads=FUSE_THREADS,
             user_xattrs_only=True)  # only user.* attributes exist (gateway/xattrs.py)
     except RuntimeError as exc:
+        core.close_spares()
         meta.close()
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
     if data_path == "passthrough":
@@ -389,6 +391,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         except Exception:
             log.exception("closing the FUSE session failed")
         supervisor.stop()
+        core.close_spares()
         bucket.close()
         meta.sync()
         meta.close()

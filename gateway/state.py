@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .fetch import Fetcher
     from .files import Handle, OpenFile
     from .space import CacheSpace
+    from .spares import Spares
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
 # past this many, closing a file syncs data/ once for all of them.
@@ -47,6 +48,7 @@ class CoreState:
     bucket: BucketClient | None = None  # the read path's way to the bucket (gateway/bucket.py)
     fetcher: Fetcher | None = None  # fetches REMOTE files into the cache (gateway/fetch.py); needs bucket
     space: CacheSpace | None = None  # the cache cap, eviction, backpressure (gateway/space.py)
+    spares: Spares | None = None  # empty cache files made ahead of creates (gateway/spares.py)
     # Inodes with no open file whose cache file and attributes a thread is changing: the
     # evictor removing it, a setattr (truncate) without a handle. Their first open (and
     # another claim) waits on ``claims_done``, then reads the inode again.
@@ -118,14 +120,30 @@ class CoreState:
         there is removed first (O_EXCL: one syscall when there is none, the usual case).
         """
         path = self.data_path(ino)
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(path, flags, 0o600)
-        except FileExistsError:
-            self.remove_data(ino)
-            fd = os.open(path, flags, 0o600)
+        fd = self._take_spare(path)
+        if fd is None:
+            flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
+            try:
+                fd = os.open(path, flags, 0o600)
+            except FileExistsError:
+                self.remove_data(ino)
+                fd = os.open(path, flags, 0o600)
         with self.lock:
             self.unsynced_cache_names.add(ino)
+        return fd
+
+    def _take_spare(self, path: str) -> int | None:
+        """A spare empty file (gateway/spares.py) renamed to ``path``, or None. The rename
+        also replaces a leftover at ``path``, as a new file must."""
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is None:
+            return None
+        fd, spare_path = spare
+        try:
+            os.rename(spare_path, path)
+        except OSError:
+            os.close(fd)
+            return None
         return fd
 
     def sync_cache_names(self, ino: int) -> None:
