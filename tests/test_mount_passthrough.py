@@ -2,7 +2,7 @@
 
 Every POSIX behaviour is checked on both data paths by the mounted suites (conftest.DATA_PATHS);
 here: WRITE/READ requests no longer reach the gateway while the data still reaches the cache
-file and the bucket, close(2) sends no FLUSH, the mode shows in status and metrics, ``--data-path passthrough`` is
+file and the bucket, the mode shows in status and metrics, ``--data-path passthrough`` is
 refused where it cannot work, a shared mapping that outlives close() is noticed, and a file
 being fetched from the bucket is read with direct I/O.
 """
@@ -90,25 +90,6 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
                             capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     assert hashlib.sha256((gw.bucket / "run" / "big.bin").read_bytes()).digest() == digest.digest()
-
-
-def test_close_sends_no_flush_and_the_release_stores_the_size(gateway_factory):
-    """A passthrough handle is opened with FOPEN_NOFLUSH: close(2) does not wait for the
-    gateway; the RELEASE the kernel sends after it stores the size and times, and ends the
-    open-writer count, as FLUSH used to."""
-    gw = gateway_factory(data_path="passthrough")
-    flushes, releases = _ops(gw, "flush"), _ops(gw, "release")
-    path = gw.mnt / "shard.bin"
-    for i in range(20):
-        with open(path, "wb") as f:
-            f.write(bytes([i]) * (4096 + i))
-    _wait_for(lambda: _ops(gw, "release") >= releases + 20, 10, "the releases")
-    assert _ops(gw, "flush") == flushes
-    assert os.stat(path).st_size == 4096 + 19
-    assert os.getxattr(path, "user.ckptfs.state") == b"dirty"
-    assert gw.stop() == 0  # a clean stop commits fsmeta: the remount shows what releases stored
-    gw.start()
-    assert path.read_bytes() == bytes([19]) * (4096 + 19)
 
 
 def test_required_passthrough_is_refused_with_the_reason_where_unavailable(tmp_path, monkeypatch, capsys):
