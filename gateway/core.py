@@ -240,7 +240,7 @@ class FsCore:
         if len(name) > NAME_MAX:
             raise FsError(errno.ENAMETOOLONG)
         listed_now = False
-        if name not in (b".", b"..") and self.remote.enabled:
+        if name not in (b".", b"..") and self.remote.enabled and not self.remote.is_fresh(parent):
             with self.meta.read() as txn:
                 need_dir(txn, parent)
             listed_now = self.remote.refresh(parent)
@@ -516,6 +516,10 @@ class FsCore:
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
         return self._files.read(fh, offset, size)
+
+    def read_range(self, fh: int, offset: int, size: int) -> bytes | tuple[int, int, int]:
+        """:meth:`read`, or the ``(fd, offset, length)`` of the cache file that holds it."""
+        return self._files.read_range(fh, offset, size)
 
     def write(self, fh: int, offset: int, data) -> int:
         remote = self._files.handle(fh).open_file.remote

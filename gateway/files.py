@@ -207,6 +207,17 @@ class OpenFiles:
         return h
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
+        data = self.read_range(fh, offset, size)
+        if isinstance(data, tuple):
+            fd, offset, length = data
+            return os.pread(fd, length, offset)
+        return data
+
+    def read_range(self, fh: int, offset: int, size: int) -> bytes | tuple[int, int, int]:
+        """:meth:`read`, or ``(fd, offset, length)``: where the cache file holds every byte of
+        the answer (a file opened while REMOTE, once fetched that far: its cache file has the
+        object's size), the range to send from it, for the FUSE front end to send without a
+        copy in Python. The fd stays open while the kernel waits for the READ."""
         h = self.handle(fh)
         of = h.open_file
         if of.remote is not None:
@@ -215,6 +226,8 @@ class OpenFiles:
             end = min(offset + size, of.size)
         if end <= offset:
             return b""
+        if of.remote is not None and not of.remote.local:
+            return (of.fd, offset, end - offset)
         data = os.pread(of.fd, end - offset, offset)
         if len(data) < end - offset:
             # The cache file is shorter than the file (sparse tail after truncate-up).

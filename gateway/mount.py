@@ -313,7 +313,8 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             atomic_o_trunc=ops.atomic_o_trunc_with_writeback_cache,
             direct_io_mmap=data_path == "passthrough",
             max_threads=FUSE_THREADS,
-            user_xattrs_only=True)  # only user.* attributes exist (gateway/xattrs.py)
+            user_xattrs_only=True,  # only user.* attributes exist (gateway/xattrs.py)
+            splice_write=True)  # READs of fetched ranges: cache file -> /dev/fuse, no copy in between
     except RuntimeError as exc:
         core.close_spares()
         meta.close()

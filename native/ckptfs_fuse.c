@@ -124,6 +124,7 @@ typedef struct session {
     /* requested at construction, read in the INIT handler */
     int want_passthrough, want_writeback, want_atomic_o_trunc, want_dio_mmap, want_export;
     int user_xattrs_only;   /* getxattr of other names is ENODATA without calling Python */
+    int want_splice_write;  /* READ replies from a file range are spliced into /dev/fuse */
     unsigned max_backing_stack_depth;
     /* what INIT negotiated */
     int passthrough_granted, writeback_granted, dio_mmap_granted;
@@ -365,6 +366,8 @@ static void ll_init(void *userdata, struct fuse_conn_info *conn)
         if (!s->want_atomic_o_trunc)
             fuse_unset_feature_flag(conn, FUSE_CAP_ATOMIC_O_TRUNC);
     }
+    if (s->want_splice_write && (conn->capable_ext & FUSE_CAP_SPLICE_WRITE))
+        fuse_set_feature_flag(conn, FUSE_CAP_SPLICE_WRITE);
     this_worker->init_handled = 1;
     enter();
     PyObject *r = call(s, OP_INIT, NULL, 0);
@@ -657,13 +660,40 @@ static void reply_buffer_result(fuse_req_t req, Session *s, enum op op, PyObject
     leave();
 }
 
+/* READ: ops.read(fh, off, size) returns the bytes, or (fd, offset, length): a range of a file
+ * that holds them, which libfuse sends without the GIL and without a copy in user space (it
+ * splices the range into /dev/fuse where INIT granted FUSE_CAP_SPLICE_WRITE). The fd must stay
+ * open until the reply is sent: a handle's file while the kernel waits for its READ. */
 static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
     Session *s = session_of(req);
     (void)ino;
     enter();
     PyObject *a[] = {u64(fi->fh), i64(off), u64(size)};
-    reply_buffer_result(req, s, OP_READ, call(s, OP_READ, a, 3));
+    PyObject *r = call(s, OP_READ, a, 3);
+    if (r == NULL || !PyTuple_Check(r)) {
+        reply_buffer_result(req, s, OP_READ, r);
+        return;
+    }
+    int64_t fd, pos, len;
+    int err = 0;
+    if (PyTuple_GET_SIZE(r) != 3 || item_i64(r, 0, &fd) < 0 || item_i64(r, 1, &pos) < 0 || item_i64(r, 2, &len) < 0
+        || fd < 0 || pos < 0 || len < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a read reply must be bytes or (fd, offset, length)");
+        err = take_error(s, OP_READ);
+    }
+    Py_DECREF(r);
+    leave();
+    if (err) {
+        fuse_reply_err(req, err);
+        return;
+    }
+    struct fuse_bufvec bufv = FUSE_BUFVEC_INIT((size_t)len);
+    bufv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK;
+    bufv.buf[0].fd = (int)fd;
+    bufv.buf[0].pos = pos;
+    fuse_reply_data(req, &bufv, 0);
 }
 
 static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
@@ -1141,19 +1171,19 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"ops", "mountpoint", "options", "passthrough", "writeback_cache",
                              "atomic_o_trunc", "direct_io_mmap", "export_support", "max_threads",
-                             "max_backing_stack_depth", "user_xattrs_only", NULL};
+                             "max_backing_stack_depth", "user_xattrs_only", "splice_write", NULL};
     PyObject *ops, *options;
     const char *mountpoint;
     int passthrough = 0, writeback = 1, atomic = 1, dio_mmap = 0, export_support = 1, max_threads = 64;
-    int user_xattrs_only = 0;
+    int user_xattrs_only = 0, splice_write = 0;
     unsigned int depth = 1;
     if (self->se != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "session already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIp", kwlist, &ops, &mountpoint, &options,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIpp", kwlist, &ops, &mountpoint, &options,
                                      &passthrough, &writeback, &atomic, &dio_mmap, &export_support,
-                                     &max_threads, &depth, &user_xattrs_only))
+                                     &max_threads, &depth, &user_xattrs_only, &splice_write))
         return -1;
     if (max_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "max_threads must be at least 1");
@@ -1178,6 +1208,7 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     self->max_threads = max_threads;
     self->max_backing_stack_depth = depth;
     self->user_xattrs_only = user_xattrs_only;
+    self->want_splice_write = splice_write;
 
     PyObject *seq = PySequence_Fast(options, "options must be a sequence of str");
     if (seq == NULL)
