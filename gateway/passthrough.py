@@ -128,7 +128,7 @@ def _kernel_reason() -> str | None:
         if "CONFIG_FUSE_PASSTHROUGH=y" not in conf:
             return f"kernel {rel} is built without CONFIG_FUSE_PASSTHROUGH ({path})"
         return None
-    return None  # unknown config: the kernel's answer comes at INIT (granted())
+    return None  # unknown config: the kernel's answer comes at INIT (Session.passthrough_granted)
 
 
 def _privilege_reason() -> str | None:
