@@ -524,14 +524,15 @@ class FsCore:
     def write(self, fh: int, offset: int, data) -> int:
         remote = self._files.handle(fh).open_file.remote
         if remote is not None and not remote.local:
-            self._fetch_before_writing(fh, remote)
+            self._fetch_before_writing(remote)
         return self._files.write(fh, offset, data)
 
-    def _fetch_before_writing(self, fh: int, remote) -> None:
+    def _fetch_before_writing(self, remote) -> None:
         """The first write to a file opened while REMOTE (writeback data path, see :meth:`open`):
         fetch and check all of it, as an open for writing in passthrough mode does. Its cache
-        file is the file's own from then on: reads stop going through the fetcher."""
-        self.fetch(self._files.handle(fh).ino)
+        file is the file's own from then on: reads stop going through the fetcher (the handle's
+        fetch state too, should the fetcher have replaced it meanwhile)."""
+        self.fetch(remote.ino)
         self._state.fetcher.detach(remote.ino)
         with remote.cond:
             remote.local = True

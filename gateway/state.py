@@ -6,6 +6,7 @@ One re-entrant lock guards the tables, so a part may call another while holding 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -143,6 +144,8 @@ class CoreState:
             os.rename(spare_path, path)
         except OSError:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(spare_path)
             return None
         return fd
 

@@ -220,6 +220,17 @@ out:
     return r;
 }
 
+/* ops.<op>(*args) for its effect only: 0, or the errno of what it raised (reported as
+ * take_error does). Steals the references in args; the GIL must be held. */
+static int call_void(Session *s, enum op op, PyObject **args, size_t nargs)
+{
+    PyObject *r = call(s, op, args, nargs);
+    if (r == NULL)
+        return take_error(s, op);
+    Py_DECREF(r);
+    return 0;
+}
+
 static inline PyObject *u64(uint64_t v) { return PyLong_FromUnsignedLongLong(v); }
 static inline PyObject *i64(int64_t v) { return PyLong_FromLongLong(v); }
 static inline PyObject *name_of(const char *name) { return PyBytes_FromString(name); }
@@ -370,10 +381,7 @@ static void ll_init(void *userdata, struct fuse_conn_info *conn)
         fuse_set_feature_flag(conn, FUSE_CAP_SPLICE_WRITE);
     this_worker->init_handled = 1;
     enter();
-    PyObject *r = call(s, OP_INIT, NULL, 0);
-    if (r == NULL)
-        take_error(s, OP_INIT);
-    Py_XDECREF(r);
+    call_void(s, OP_INIT, NULL, 0);
     leave();
 }
 
@@ -408,21 +416,13 @@ static void ll_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     reply_entry_result(req, s, OP_LOOKUP, call(s, OP_LOOKUP, a, 2));
 }
 
-static void forget_list(Session *s, PyObject *list)
-{
-    PyObject *a[] = {list};
-    PyObject *r = call(s, OP_FORGET, a, 1);
-    if (r == NULL)
-        take_error(s, OP_FORGET);
-    Py_XDECREF(r);
-}
-
 static void ll_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
 {
     Session *s = session_of(req);
     enter();
     PyObject *list = Py_BuildValue("[(KK)]", (unsigned long long)ino, (unsigned long long)nlookup);
-    forget_list(s, list);
+    PyObject *a[] = {list};
+    call_void(s, OP_FORGET, a, 1);
     leave();
     fuse_reply_none(req);
 }
@@ -441,7 +441,8 @@ static void ll_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_dat
         }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
-    forget_list(s, list);
+    PyObject *a[] = {list};
+    call_void(s, OP_FORGET, a, 1);
     leave();
     fuse_reply_none(req);
 }
@@ -591,10 +592,7 @@ static void release_unanswered(Session *s, enum op op, uint64_t fh)
 {
     enter();
     PyObject *a[] = {u64(fh)};
-    PyObject *r = call(s, op, a, 1);
-    if (r == NULL)
-        take_error(s, op);
-    Py_XDECREF(r);
+    call_void(s, op, a, 1);
     leave();
 }
 
@@ -842,10 +840,7 @@ static void ll_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
     }
     if (PyList_GET_SIZE(taken) > 0) {
         PyObject *b[] = {u64(fi->fh), Py_NewRef(taken)};
-        PyObject *rr = call(s, OP_READDIR_TAKEN, b, 2);
-        if (rr == NULL)
-            err = take_error(s, OP_READDIR_TAKEN);
-        Py_XDECREF(rr);
+        err = call_void(s, OP_READDIR_TAKEN, b, 2);
     }
 done:
     Py_XDECREF(taken);
@@ -1086,10 +1081,7 @@ static void *worker_main(void *arg)
             /* INIT's reply is in the kernel now: what must follow it (the mount's read-ahead) */
             w->init_handled = 0;
             enter();
-            PyObject *r = call(s, OP_INIT_REPLIED, NULL, 0);
-            if (r == NULL)
-                take_error(s, OP_INIT_REPLIED);
-            Py_XDECREF(r);
+            call_void(s, OP_INIT_REPLIED, NULL, 0);
             leave();
         }
         pthread_mutex_lock(&s->lock);
