@@ -319,6 +319,10 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         core.close_spares()
         meta.close()
         return fail(f"mountpoint {mountpoint}: mount failed: {exc}")
+    if session.splice_max_read:
+        log.info("READ requests capped at %d bytes (max_read), so that each reply fits one pipe and is "
+                 "spliced: pipes cannot grow past /proc/sys/fs/pipe-max-size here (no CAP_SYS_RESOURCE)",
+                 session.splice_max_read)
     if data_path == "passthrough":
         core.enable_passthrough(functools.partial(passthrough.open_backing, fuse_fd=session.fd),
                                 functools.partial(passthrough.close_backing, fuse_fd=session.fd))

@@ -39,10 +39,12 @@
 #include <fuse_lowlevel.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -125,6 +127,7 @@ typedef struct session {
     int want_passthrough, want_writeback, want_atomic_o_trunc, want_dio_mmap, want_export;
     int user_xattrs_only;   /* getxattr of other names is ENODATA without calling Python */
     int want_splice_write;  /* READ replies from a file range are spliced into /dev/fuse */
+    unsigned splice_max_read; /* 0, or the max_read that keeps a READ reply within one pipe */
     unsigned max_backing_stack_depth;
     /* what INIT negotiated */
     int passthrough_granted, writeback_granted, dio_mmap_granted;
@@ -379,6 +382,8 @@ static void ll_init(void *userdata, struct fuse_conn_info *conn)
     }
     if (s->want_splice_write && (conn->capable_ext & FUSE_CAP_SPLICE_WRITE))
         fuse_set_feature_flag(conn, FUSE_CAP_SPLICE_WRITE);
+    if (s->splice_max_read)
+        conn->max_read = s->splice_max_read; /* libfuse checks it against the mount option */
     this_worker->init_handled = 1;
     enter();
     call_void(s, OP_INIT, NULL, 0);
@@ -1157,6 +1162,37 @@ static void wake_readers(Session *s)
             pthread_kill(w->tid, WAKE_SIGNAL);
 }
 
+/* libfuse splices a READ reply only if the whole reply fits in its thread's pipe, which it grows
+ * with F_SETPIPE_SZ to the reply's size plus three pages; past /proc/sys/fs/pipe-max-size that
+ * needs CAP_SYS_RESOURCE, and without it every reply falls back to a pread into a fresh buffer
+ * and a writev (two copies instead of one). Where a pipe cannot grow past the 1 MiB of the
+ * largest READ, the largest READ is made to fit: the max_read mount option, in whole pages. */
+static unsigned splice_max_read(void)
+{
+    const long page = sysconf(_SC_PAGESIZE);
+    const long largest = 1L << 20; /* FUSE_MAX_MAX_PAGES pages: libfuse's largest request */
+    const long slack = 4 * page;   /* libfuse's 3 pages and the reply header, rounded up */
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0)
+        return 0;
+    long grown = fcntl(p[0], F_SETPIPE_SZ, (int)(largest + slack));
+    close(p[0]);
+    close(p[1]);
+    if (grown >= largest + slack)
+        return 0;
+    long limit = 0;
+    FILE *f = fopen("/proc/sys/fs/pipe-max-size", "re");
+    if (f != NULL) {
+        if (fscanf(f, "%ld", &limit) != 1)
+            limit = 0;
+        fclose(f);
+    }
+    if (limit <= slack + 2 * page)
+        return 0; /* too small to be worth it: leave READs whole, copied */
+    long max_read = (limit - slack) / page * page;
+    return (unsigned)(max_read < largest ? max_read : largest);
+}
+
 /* ---- the Session type ----------------------------------------------------------------------- */
 
 static int Session_init(Session *self, PyObject *args, PyObject *kwds)
@@ -1206,7 +1242,8 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     if (seq == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    char **argv = calloc((size_t)(2 * n + 2), sizeof(char *));
+    self->splice_max_read = splice_write ? splice_max_read() : 0;
+    char **argv = calloc((size_t)(2 * n + 4), sizeof(char *));
     if (argv == NULL) {
         Py_DECREF(seq);
         PyErr_NoMemory();
@@ -1227,6 +1264,12 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
         argv[argc++] = strdup(opt);
     }
     Py_DECREF(seq);
+    if (self->splice_max_read) {
+        char opt[32];
+        snprintf(opt, sizeof(opt), "max_read=%u", self->splice_max_read);
+        argv[argc++] = strdup("-o");
+        argv[argc++] = strdup(opt);
+    }
     struct fuse_args fargs = FUSE_ARGS_INIT(argc, argv);
     struct fuse_session *se = fuse_session_new(&fargs, &ll_ops, sizeof(ll_ops), self);
     fuse_opt_free_args(&fargs);
@@ -1414,6 +1457,7 @@ static PyObject *Session_get_fd(Session *self, void *c) { (void)c; return PyLong
 static PyObject *Session_get_pt(Session *self, void *c) { (void)c; return PyBool_FromLong(self->passthrough_granted); }
 static PyObject *Session_get_wb(Session *self, void *c) { (void)c; return PyBool_FromLong(self->writeback_granted); }
 static PyObject *Session_get_dm(Session *self, void *c) { (void)c; return PyBool_FromLong(self->dio_mmap_granted); }
+static PyObject *Session_get_mr(Session *self, void *c) { (void)c; return PyLong_FromUnsignedLong(self->splice_max_read); }
 static PyObject *Session_get_threads(Session *self, void *c)
 {
     (void)c;
@@ -1489,6 +1533,7 @@ static PyGetSetDef Session_getset[] = {
     {"passthrough_granted", (getter)Session_get_pt, NULL, "INIT negotiated FUSE passthrough", NULL},
     {"writeback_cache_granted", (getter)Session_get_wb, NULL, "INIT negotiated the writeback cache", NULL},
     {"direct_io_mmap_granted", (getter)Session_get_dm, NULL, "INIT negotiated FUSE_DIRECT_IO_ALLOW_MMAP", NULL},
+    {"splice_max_read", (getter)Session_get_mr, NULL, "0, or the max_read mount option that keeps each READ reply within one pipe (see splice_max_read)", NULL},
     {"threads", (getter)Session_get_threads, NULL, "worker threads started", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -184,6 +185,7 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                         "active_backing": len(self.backing),
                         "open_handles": len(self.handles),
                         "threads": self.session.threads,
+                        "splice_max_read": self.session.splice_max_read,
                         "requests": {op: v[0] for op, v in self.session.request_stats().items()},
                         **self.counts,
                     }).encode()
@@ -281,7 +283,7 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
     fs = PtFS(backdir)
     fs.session = ckptfs_fuse.Session(fs, mnt, ["default_permissions", "fsname=ckptfs-passthrough-test"],
                                      passthrough=(mode == "passthrough"), writeback_cache=False,
-                                     max_threads=8)
+                                     max_threads=8, splice_write=True)
     signal.signal(signal.SIGTERM, lambda *_: fs.session.exit())
     try:
         fs.session.run()
@@ -499,6 +501,43 @@ def test_reads_answered_with_bytes_or_with_a_range_of_a_file(tmp_path):
             os.close(fd)
         assert (mnt / "f").read_bytes() == data
         assert stats(mnt)["read"] >= 4
+
+
+def pipe_can_hold(nbytes: int) -> bool:
+    r, w = os.pipe()
+    try:
+        return fcntl.fcntl(r, fcntl.F_SETPIPE_SZ, nbytes) >= nbytes
+    except PermissionError:  # past /proc/sys/fs/pipe-max-size without CAP_SYS_RESOURCE
+        return False
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_read_replies_fit_one_pipe_so_libfuse_can_splice_them(tmp_path):
+    """libfuse splices a READ reply only through a pipe that holds all of it (the reply plus
+    three pages); where a pipe cannot grow to 1 MiB plus that, every 1 MiB reply would be
+    copied twice instead. The front end then caps READs with the max_read mount option."""
+    page = os.sysconf("SC_PAGESIZE")
+    with mounted(tmp_path, "plain") as (mnt, back):
+        max_read = stats(mnt)["splice_max_read"]
+        options = next(line.split()[3] for line in open("/proc/mounts") if line.split()[1] == str(mnt))
+        if pipe_can_hold(MiB + 4 * page):
+            assert max_read == 0 and "max_read=" not in options
+        else:
+            assert 0 < max_read < MiB and max_read % page == 0
+            assert f"max_read={max_read}" in options.split(",")
+            assert pipe_can_hold(max_read + 3 * page + 16)  # what libfuse asks for a full reply
+        data = os.urandom(4 * MiB + 4321)
+        (back / "f").write_bytes(data)
+        fd = os.open(mnt / "f", os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, 4 * MiB)  # one read(2), several READs of at most max_read
+            reads = stats(mnt)["read"]
+            assert os.preadv(fd, [buf], 0) == 4 * MiB and buf[:] == data[:4 * MiB]
+            assert stats(mnt)["read"] - reads == -(-4 * MiB // (max_read or MiB))
+        finally:
+            os.close(fd)
 
 
 def test_requests_that_wait_do_not_hold_up_the_others(tmp_path):
