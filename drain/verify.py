@@ -87,6 +87,31 @@ async def _object_blake3(store: ObjectStore, key: str, size: int) -> str:
     return hasher.hexdigest()
 
 
+
+def _cached_copy_blake3(path: str, size: int) -> str | None:
+    """The blake3 of the cache file at ``path`` if it holds ``size`` bytes and stayed the same
+    file while it was hashed, else None (gone, another size, or evicted, refetched or reused
+    meanwhile: nothing to judge, not a mismatch)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        before = os.fstat(fd)
+        if before.st_size != size:
+            return None
+        digest, _ = hash_file_sync(fd, size)
+        after = os.fstat(fd)
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            return None
+    finally:
+        os.close(fd)
+    same = (before.st_ctime_ns, before.st_size) == (after.st_ctime_ns, after.st_size) \
+        and (named.st_dev, named.st_ino) == (after.st_dev, after.st_ino)
+    return digest if same else None
+
 async def verify_tree(cache: CacheDir, meta: MetaStore, store: ObjectStore, rel: str, *, concurrency: int = 8,
                       on_checked: Callable[[Checked], None] | None = None) -> list[Checked]:
     """Check every object at or below ``rel`` (a path relative to the mount root)."""
@@ -117,16 +142,10 @@ async def verify_tree(cache: CacheDir, meta: MetaStore, store: ObjectStore, rel:
                 done(Checked(key, info.size, OTHER_OBJECT, f"content blake3 {digest} != recorded {entry.blake3}"))
                 return
             if entry is not None and entry.cached:
-                path = cache.data_path(entry.ino)
-                try:
-                    same_size = os.stat(path).st_size == info.size
-                except FileNotFoundError:
-                    same_size = False
-                if same_size:
-                    cached, _ = await trio.to_thread.run_sync(hash_file_sync, path, info.size)
-                    if cached != digest:
-                        done(Checked(key, info.size, CACHE_MISMATCH, f"cached copy blake3 {cached} != object {digest}"))
-                        return
+                cached = await trio.to_thread.run_sync(_cached_copy_blake3, cache.data_path(entry.ino), info.size)
+                if cached is not None and cached != digest:
+                    done(Checked(key, info.size, CACHE_MISMATCH, f"cached copy blake3 {cached} != object {digest}"))
+                    return
             done(Checked(key, info.size, OK if declared or (entry and entry.blake3) else UNCHECKED))
 
     async with trio.open_nursery() as nursery:

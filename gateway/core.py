@@ -40,7 +40,7 @@ from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
 from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F401
-from .spares import SPARES_TARGET, Spares
+from .spares import RECYCLED_MAX, SPARES_TARGET, Spares
 from .space import CacheSpace, SpaceLimits
 from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
 from .xattrs import (  # noqa: F401
@@ -165,10 +165,11 @@ class FsCore:
     def space(self) -> CacheSpace | None:
         return self._state.space
 
-    def enable_spares(self, target: int = SPARES_TARGET) -> Spares:
+    def enable_spares(self, target: int = SPARES_TARGET, recycled_max: int = RECYCLED_MAX) -> Spares:
         """Make empty cache files ahead of creates (gateway/spares.py); after :meth:`recover`.
         :meth:`close_spares` stops it."""
-        self._state.spares = Spares(self._state.cache.spare_dir, target).start()
+        self._state.spares = Spares(self._state.cache.spare_dir, target, recycled_max,
+                                    sync_removals=self._state.meta.sync).start()
         return self._state.spares
 
     def close_spares(self) -> None:

@@ -143,10 +143,17 @@ class CoreState:
         try:
             os.rename(spare_path, path)
         except OSError:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(spare_path)
             return None
+        if fd < 0:  # a recycled file: opened here, by its new name
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            if not self.spares.opened_by_nobody_else(fd):
+                os.close(fd)
+                os.unlink(path)
+                return None
         return fd
 
     def sync_cache_names(self, ino: int) -> None:
@@ -198,8 +205,11 @@ class CoreState:
             self.fetcher.discard(ino)
         with self.lock:
             self.unsynced_cache_names.discard(ino)
+        path = self.data_path(ino)
+        if self.spares is not None and self.spares.recycle(path):
+            return
         try:
-            os.unlink(self.data_path(ino))
+            os.unlink(path)
         except FileNotFoundError:
             pass
 

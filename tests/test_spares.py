@@ -79,3 +79,138 @@ def test_without_spares_ready_a_create_makes_its_own_file(core):
         assert spares.taken == 0 and os.path.exists(core._state.data_path(attr.ino))
     finally:
         core.close_spares()
+
+
+def remove(core, name: bytes, ino: int) -> None:
+    """Unlink ``name`` and drop the kernel's reference from its create: the inode goes."""
+    core.unlink(ROOT, name)
+    core.forget([(ino, 1)])
+    core.meta.commit()  # the removal's after-commit action recycles (or unlinks) its cache file
+
+
+def write_file(core, name: bytes, data: bytes) -> int:
+    fh, attr = core.create(ROOT, name, 0o644, os.O_RDWR, ROOT_CALLER)
+    core.write(fh, 0, data)
+    core.release(fh)
+    return attr.ino
+
+
+def test_a_removed_files_cache_file_is_recycled_empty_for_the_next_create(core):
+    """Deleting a checkpoint's files and writing the next one's reuses the cache inodes:
+    neither side allocates or frees one (gateway/spares.py)."""
+    spares = core.enable_spares(target=0)  # only recycled spares
+    try:
+        ino = write_file(core, b"old", b"the old file's bytes")
+        old_cache = core._state.data_path(ino)
+        old_st_ino = os.stat(old_cache).st_ino
+        remove(core, b"old", ino)
+        assert spares.recycled == 1 and not os.path.exists(old_cache)
+        wait_until(lambda: spares.emptied == 1)  # once the removal is synced
+        [spare] = os.listdir(core.cache_dir + "/spare")
+        assert os.path.getsize(os.path.join(core.cache_dir, "spare", spare)) == 0
+
+        fh, new = core.create(ROOT, b"new", 0o644, os.O_RDWR, ROOT_CALLER)
+        assert spares.taken == 1
+        new_cache = core._state.data_path(new.ino)
+        assert os.stat(new_cache).st_ino == old_st_ino
+        assert core.read(fh, 0, 100) == b""
+        core.write(fh, 0, b"new")
+        core.release(fh)
+        with open(new_cache, "rb") as f:
+            assert f.read() == b"new"
+        assert os.listdir(core.cache_dir + "/spare") == []
+    finally:
+        core.close_spares()
+
+
+def test_a_recycled_file_keeps_its_bytes_until_its_inodes_removal_is_synced(core, monkeypatch):
+    """A power cut may lose a removal fsmeta has committed but not synced: the inode then comes
+    back, and must not come back with its cache file emptied."""
+    synced = []
+    spares = core.enable_spares(target=0)
+    real_sync = spares._sync_removals
+    monkeypatch.setattr(spares, "_sync_removals", lambda: (real_sync(), synced.append(True)))
+    try:
+        spares._emptied_at = time.monotonic() + 3600  # hold step 2 back
+        ino = write_file(core, b"f", b"bytes a power cut may bring back")
+        remove(core, b"f", ino)
+        [spare] = os.listdir(core.cache_dir + "/spare")
+        path = os.path.join(core.cache_dir, "spare", spare)
+        with open(path, "rb") as f:
+            assert f.read() == b"bytes a power cut may bring back"
+        assert not synced
+        with spares._cond:
+            spares._emptied_at = 0.0
+            spares._cond.notify()
+        wait_until(lambda: spares.emptied == 1)
+        assert synced and os.path.getsize(path) == 0
+    finally:
+        core.close_spares()
+
+
+def test_recycling_is_bounded_and_closing_removes_what_was_kept(core):
+    spares = core.enable_spares(target=0, recycled_max=1)
+    try:
+        inos = {name: write_file(core, name, b"x" * 100) for name in (b"a", b"b")}
+        for name, ino in inos.items():
+            remove(core, name, ino)
+        assert spares.recycled == 1
+        assert not any(os.path.exists(core._state.data_path(ino)) for ino in inos.values())  # the other one unlinked
+        assert len(os.listdir(core.cache_dir + "/spare")) == 1
+    finally:
+        core.close_spares()
+    assert os.listdir(core.cache_dir + "/spare") == []
+
+
+def test_a_cache_file_someone_still_reads_is_unlinked_not_recycled(core):
+    """The drain uploading a removed file, or `ckptfs verify` hashing it, keeps reading the
+    bytes it opened: they must not become the next file's (gateway/spares.py)."""
+    spares = core.enable_spares(target=0)
+    try:
+        ino = write_file(core, b"f", b"the removed file's bytes")
+        reader = os.open(core._state.data_path(ino), os.O_RDONLY)  # another reader's descriptor
+        try:
+            remove(core, b"f", ino)
+            assert spares.recycled == 0 and os.listdir(core.cache_dir + "/spare") == []
+            assert not os.path.exists(core._state.data_path(ino))
+            write_file(core, b"g", b"the next file")
+            assert os.pread(reader, 100, 0) == b"the removed file's bytes"
+        finally:
+            os.close(reader)
+    finally:
+        core.close_spares()
+
+
+def test_a_recycled_file_someone_opened_meanwhile_is_never_reused(core):
+    """An open of the removed file that came while it was being recycled waited for the lease
+    and holds it: it must never be emptied, nor get the next file's bytes."""
+    for opened_when in ("before emptying", "after emptying"):
+        spares = core.enable_spares(target=0)
+        try:
+            ino = write_file(core, b"f", b"the removed file's bytes")
+            if opened_when == "before emptying":
+                spares._emptied_at = time.monotonic() + 3600  # hold step 2 back
+            remove(core, b"f", ino)
+            [spare] = os.listdir(core.cache_dir + "/spare")
+            if opened_when == "after emptying":
+                wait_until(lambda: spares.emptied == 1)
+            late_reader = os.open(os.path.join(core.cache_dir, "spare", spare), os.O_RDONLY)
+            try:
+                if opened_when == "before emptying":
+                    with spares._cond:
+                        spares._emptied_at = 0.0
+                        spares._cond.notify()
+                    wait_until(lambda: os.fstat(late_reader).st_nlink == 0)  # removed, not emptied
+                    assert spares.emptied == 0
+                    assert os.pread(late_reader, 100, 0) == b"the removed file's bytes"
+                fh, new = core.create(ROOT, b"g", 0o644, os.O_RDWR, ROOT_CALLER)
+                core.write(fh, 0, b"the next file")
+                core.release(fh)
+                assert os.fstat(late_reader).st_nlink == 0  # dropped, not reused
+                assert os.stat(core._state.data_path(new.ino)).st_ino != os.fstat(late_reader).st_ino
+                assert os.pread(late_reader, 100, 0) in (b"the removed file's bytes", b"")
+            finally:
+                os.close(late_reader)
+            core.unlink(ROOT, b"g")
+        finally:
+            core.close_spares()
