@@ -47,6 +47,10 @@ log = logging.getLogger("ckptfs.gateway")
 SPARES_TARGET = 64  # kept ready: a burst of creates longer than this allocates as it goes
 RECYCLED_MAX = 4096  # cache files of removed inodes kept for creates (names, no descriptor)
 EMPTY_EVERY_SECONDS = 0.5  # recycled files are emptied in batches, one fsmeta sync each
+# Only small files are recycled: what matters is the inode, and until it is emptied a recycled
+# file still holds its blocks, which an unlink (the evictor's above all) frees at once.
+RECYCLE_MAX_BYTES = 1 << 20  # allocated bytes of a file recycled (bigger ones are unlinked)
+WAITING_MAX_BYTES = 64 << 20  # allocated bytes of all the recycled files not emptied yet
 RETRY_SECONDS = 5.0  # after a failed create of a spare (ENOSPC, EMFILE): wait, then try again
 
 _FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
@@ -63,6 +67,7 @@ class Spares:
         # (fd, path); fd -1: a recycled file, opened by whoever takes it
         self._pool: collections.deque[tuple[int, str]] = collections.deque()
         self._to_empty: list[str] = []  # recycled, bytes still there (step 2 to come)
+        self._to_empty_bytes = 0
         self._emptied_at = 0.0
         self._cond = threading.Condition()
         self._stopping = False
@@ -118,8 +123,13 @@ class Spares:
         except OSError:
             return False
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            allocated = st.st_blocks * 512
+            if not stat.S_ISREG(st.st_mode) or allocated > RECYCLE_MAX_BYTES:
                 return False
+            with self._cond:
+                if self._to_empty_bytes + allocated > WAITING_MAX_BYTES:
+                    return False
             # held over the rename: an open that comes meanwhile waits, then finds it intact
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # EAGAIN: someone else has it open
             os.rename(path, spare_path)
@@ -129,6 +139,7 @@ class Spares:
             os.close(fd)  # (and with it the lease)
         with self._cond:
             if not self._stopping:
+                self._to_empty_bytes += allocated
                 self._to_empty.append(spare_path)
                 self.recycled += 1
                 self._cond.notify()
@@ -175,6 +186,7 @@ class Spares:
         offer them to creates."""
         with self._cond:
             batch, self._to_empty = self._to_empty, []
+            self._to_empty_bytes = 0
             self._emptied_at = time.monotonic()
         try:
             self._sync_removals()

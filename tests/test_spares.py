@@ -6,7 +6,7 @@ import os
 import time
 
 from conftest import ROOT, ROOT_CALLER
-from ckptfs.gateway.spares import Spares
+from ckptfs.gateway.spares import RECYCLE_MAX_BYTES, Spares
 
 
 def wait_until(predicate, timeout=10.0):
@@ -214,3 +214,16 @@ def test_a_recycled_file_someone_opened_meanwhile_is_never_reused(core):
             core.unlink(ROOT, b"g")
         finally:
             core.close_spares()
+
+
+def test_a_big_cache_file_is_unlinked_not_recycled(core):
+    """Until it is emptied a recycled file still holds its blocks: a big one (the evictor's
+    usual victim) is unlinked at once, so that its space is free at once."""
+    spares = core.enable_spares(target=0)
+    try:
+        ino = write_file(core, b"shard", os.urandom(RECYCLE_MAX_BYTES + 4096))
+        remove(core, b"shard", ino)
+        assert spares.recycled == 0 and os.listdir(core.cache_dir + "/spare") == []
+        assert not os.path.exists(core._state.data_path(ino))
+    finally:
+        core.close_spares()
