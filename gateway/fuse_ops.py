@@ -93,8 +93,10 @@ class CkptOperations:
     # With the writeback cache, O_TRUNC must come as a SETATTR the kernel applies under the
     # inode lock: atomic O_TRUNC truncates the kernel's side in a second, silent step, and a
     # truncate or write by another process in between is undone in the kernel only (the
-    # kernel's size then differs from the cache file's for good). Passthrough keeps it: there
-    # the cache file is what the kernel reads, so nothing diverges.
+    # kernel's size then differs from the cache file's for good). Passthrough keeps it, so that
+    # O_TRUNC of a file only in the bucket fetches nothing (a writable open without it must
+    # fetch first: its writes bypass the gateway); there the kernel may show the truncation's
+    # size until its attributes time out, then asks again (docs/SEMANTICS.md).
     atomic_o_trunc_with_writeback_cache = False
 
     def __init__(self, core: FsCore, *, fsync_hook=None, on_init=None, on_init_replied=None):

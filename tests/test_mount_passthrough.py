@@ -33,6 +33,15 @@ def _ops(gw, op: str) -> float:
     return 0.0
 
 
+def _settled_ops(gw, op: str, expected: float, timeout: float = 10.0) -> float:
+    """The count of ``op`` once it reached ``expected`` (or the timeout passed): the front end
+    counts a request after sending its reply, so the caller can be a moment ahead of it."""
+    deadline = time.monotonic() + timeout
+    while (n := _ops(gw, op)) < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
 def _gauge(gw, name: str) -> float | None:
     for line in gw.metrics().splitlines():
         if line.startswith(name + " "):
@@ -78,7 +87,8 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
         digest.update(chunk)
         os.write(fd, chunk)
     os.fsync(fd)
-    assert _ops(gw, "fsync") == fsyncs + 1  # fsync still reaches the gateway (fsmeta sync)
+    # fsync still reaches the gateway (fsmeta sync). It is counted once its reply is sent.
+    assert _settled_ops(gw, "fsync", fsyncs + 1) == fsyncs + 1
     os.close(fd)
     assert os.stat(path).st_size == 64 * MiB
     assert hashlib.sha256(path.read_bytes()).digest() == digest.digest()
