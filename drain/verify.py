@@ -87,7 +87,6 @@ async def _object_blake3(store: ObjectStore, key: str, size: int) -> str:
     return hasher.hexdigest()
 
 
-
 def _cached_copy_blake3(path: str, size: int) -> str | None:
     """The blake3 of the cache file at ``path`` if it holds ``size`` bytes and stayed the same
     file while it was hashed, else None (gone, another size, or evicted, refetched or reused
@@ -111,6 +110,7 @@ def _cached_copy_blake3(path: str, size: int) -> str | None:
     same = (before.st_ctime_ns, before.st_size) == (after.st_ctime_ns, after.st_size) \
         and (named.st_dev, named.st_ino) == (after.st_dev, after.st_ino)
     return digest if same else None
+
 
 async def verify_tree(cache: CacheDir, meta: MetaStore, store: ObjectStore, rel: str, *, concurrency: int = 8,
                       on_checked: Callable[[Checked], None] | None = None) -> list[Checked]:
