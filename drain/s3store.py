@@ -92,8 +92,10 @@ __all__ = ["S3Store", "CkptfsS3SigV4Auth"]
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 BODY_CHUNK = 1 * MiB
 _SIGNER_NAME = "ckptfs-s3v4"
-#: read size of a GetObject body (and so of each pwrite into the destination)
-GET_CHUNK = 1 * MiB
+#: read size of a GetObject body (and so of each pwrite into the destination). Small enough
+#: that the buffer a recv just filled is still in the core's cache when pwrite copies it into
+#: the page cache: with 1 MiB, that copy took 37% of a prefetch's CPU (docs/DESIGN.md)
+GET_CHUNK = 256 * 1024
 #: lifetime of the presigned URL of one GetObject (it is used at once)
 PRESIGN_SECONDS = 900
 
