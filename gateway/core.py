@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import stat
 import time
@@ -54,6 +55,8 @@ from .xattrs import (  # noqa: F401
     XATTR_SIZE_MAX,
     Xattrs,
 )
+
+log = logging.getLogger("ckptfs.gateway")
 
 #: The shortest time the kernel may keep an answer about a name (a dentry, positive or
 #: negative): what SEMANTICS.md promises on top of ``[mount] remote_ttl``.
@@ -176,6 +179,24 @@ class FsCore:
         spares, self._state.spares = self._state.spares, None
         if spares is not None:
             spares.close()
+
+    def release_all(self) -> int:
+        """Release the file handles still open once the session has ended; returns how many.
+        An unmount ends the requests the kernel still had queued, RELEASEs among them: a file
+        closed just before it would keep its writer count, and a passthrough handle (whose
+        close(2) sends no FLUSH) the size its writes gave it, in memory only."""
+        if self._state.backing is not None:
+            self._state.backing.session_ended()
+        with self._state.lock:
+            handles = [h.fh for h in self._state.handles.values() if h.open_file is not None]
+        released = 0
+        for fh in handles:
+            try:
+                self._files.release(fh)
+                released += 1
+            except Exception:  # the others still get theirs
+                log.exception("releasing handle %d at the end of the session failed", fh)
+        return released
 
     def backing_id(self, fh: int) -> int:
         """The backing id for an open/create reply (0: none, the daemon serves the data)."""
@@ -587,6 +608,7 @@ class FsCore:
             self._state.handles.pop(fh, None)
 
     def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self._files.persist_writers()  # closes whose RELEASE has not come yet (passthrough)
         self.meta.sync()
 
     def statfs(self) -> os.statvfs_result:

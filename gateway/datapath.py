@@ -87,6 +87,11 @@ class Backing:
         if of.backing_id == 0:
             of.backing_id = self.open_id(of.fd)
 
+    def session_ended(self) -> None:
+        """The FUSE session is gone, and with it every backing id (its fd may name another file
+        by now): releases after this close none."""
+        self.close_id = lambda bid: None
+
     def detach(self, of: OpenFile) -> None:
         """Last release of an inode: its backing id goes (the kernel holds its own reference)."""
         bid, of.backing_id = of.backing_id, 0

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptfs.fsmeta import FileState, Inode, Txn, durability
@@ -304,8 +305,10 @@ class OpenFiles:
             of.size = cut
             of.attrs_dirty = True
 
-    def persist(self, of: OpenFile) -> None:
-        """Write an open file's in-memory size/mtime to fsmeta."""
+    def persist(self, of: OpenFile, then: Callable[[Txn], None] | None = None) -> bool:
+        """Write an open file's in-memory size/mtime to fsmeta. ``then``: more to do in the
+        same transaction (the release's writer count), done only if there was something to
+        store; returns whether it was."""
         s = self._state
         with of.io_lock:
             self._cut_at_failure(of)
@@ -316,11 +319,13 @@ class OpenFiles:
                 moved, of.cache_moved = of.cache_moved, False
                 if not of.attrs_dirty:
                     of.needs_bump = True
-                    return
+                    return False
                 size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
                 of.attrs_dirty = False
 
             def persist(txn: Txn) -> None:
+                if then is not None:
+                    then(txn)
                 inode = txn.get_inode(of.ino)
                 if inode is None:
                     return
@@ -342,6 +347,7 @@ class OpenFiles:
                     of.cache_moved = of.cache_moved or moved
                 raise
             of.needs_bump = True
+            return True
 
     def _release_backing(self, of: OpenFile) -> None:
         """Passthrough: the inode's last handle is gone."""
@@ -355,6 +361,25 @@ class OpenFiles:
                 self.persist(of)
             # A shared mapping can outlive this release: keep comparing for a while.
             s.backing.watch(of.ino, s.data_path(of.ino), of.cache_stat)
+
+    def persist_writers(self) -> int:
+        """Passthrough: store the size and times of every file open for writing (before a
+        directory fsync). A passthrough close(2) sends no FLUSH, and its RELEASE, which stores
+        them, may still be on its way when the fsync comes. Returns how many files."""
+        s = self._state
+        if s.backing is None:
+            return 0
+        with s.lock:
+            pinned = [of for of in s.open_files.values() if of.writers > 0]
+            for of in pinned:
+                of.refs += 1  # (a RELEASE in another thread would close its fd)
+        try:
+            for of in pinned:
+                self.persist(of)
+        finally:
+            for of in pinned:
+                self._unref(of, writable=False)
+        return len(pinned)
 
     @contextlib.contextmanager
     def pinned_or_claimed(self, ino: int):
@@ -424,10 +449,16 @@ class OpenFiles:
         of = h.open_file
         try:
             if h.writable:
+                def drop_writer(txn: Txn) -> None:
+                    txn.add_writer(of.ino, -1)
+
+                stored = False
                 try:
-                    self.persist(of)
+                    # one transaction for both (one fewer per create+write+close)
+                    stored = self.persist(of, then=drop_writer)
                 finally:
-                    s.meta.write(lambda txn: txn.add_writer(of.ino, -1))
+                    if not stored:
+                        s.meta.write(drop_writer)
         finally:
             self._unref(of, h.writable)
 

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 
-from ckptfs_fuse import OPEN_DIRECT_IO, OPEN_KEEP_CACHE, ROOT_INODE, FuseError
+from ckptfs_fuse import OPEN_DIRECT_IO, OPEN_KEEP_CACHE, OPEN_NOFLUSH, ROOT_INODE, FuseError
 
 from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
@@ -206,11 +206,12 @@ class CkptOperations:
         if self.core.passthrough:
             bid = self.core.backing_id(fh)
             if bid:
-                # Not OPEN_NOFLUSH, although FLUSH of a passthrough handle only stores the size
-                # and times, which RELEASE stores too: RELEASE comes after close(2) has
-                # returned, and a gateway stopped before it arrives would lose that size: a
-                # file closed just before a clean unmount would come back empty.
-                return (fh, bid, 0)
+                # No FLUSH at close(2): for a passthrough handle it would only store the size
+                # and times, which RELEASE stores too, and it is a synchronous round trip of
+                # every create+write+close. RELEASE comes after close(2) has returned: a stat
+                # meanwhile reads the cache file (FsCore._attr), and the RELEASEs an unmount
+                # ends unread are done at the end of the session (FsCore.release_all).
+                return (fh, bid, OPEN_NOFLUSH)
             # Served by the gateway (a file being fetched, or a writer under cache-space
             # pressure, gateway/space.py): pages the kernel cached at an earlier such open may be
             # stale after passthrough writes since. With direct I/O (where the kernel allows

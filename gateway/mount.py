@@ -395,6 +395,9 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             session.destroy()  # unmounts, if fusermount3 -u has not
         except Exception:
             log.exception("closing the FUSE session failed")
+        released = core.release_all()
+        if released:
+            log.info("released %d handle(s) whose RELEASE the unmount ended", released)
         supervisor.stop()
         core.close_spares()
         bucket.close()

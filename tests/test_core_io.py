@@ -320,7 +320,7 @@ def test_release_drops_handle_and_writer_count_even_when_persisting_fails(core, 
     fh, ino = new_file(core)
     core.write(fh, 0, b"data")
 
-    def full_device(of):
+    def full_device(of, then=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:

@@ -127,6 +127,38 @@ def test_size_and_mtime_come_from_the_cache_file(pt):
     assert fsmeta_problems(core.meta) == []
 
 
+def test_handles_the_unmount_left_unreleased_store_their_size_at_the_end_of_the_session(pt):
+    """A passthrough close(2) sends no FLUSH, and an unmount ends the RELEASEs still queued:
+    what the writes gave the file is stored at the end of the session, its writer count
+    dropped (else it never drains), and no backing id is closed on a session that is gone."""
+    core, ids = pt
+    fh, ino = written(core, b"x" * 5000, os.O_WRONLY)
+    core.open(ino, os.O_RDONLY)
+    assert _inode(core, ino).size == 0  # nothing stored it yet
+    assert core.release_all() == 2
+    inode = _inode(core, ino)
+    assert inode.size == 5000 and inode.state == FileState.DIRTY
+    with core.meta.read() as txn:
+        assert txn.writer_count(ino) == 0
+    assert ids.closed == 0  # (the session's ids went with it)
+    assert fsmeta_problems(core.meta) == []
+
+
+def test_a_directory_fsync_stores_the_size_of_files_whose_release_has_not_come(pt):
+    """close(2) of a passthrough file has returned once the RELEASE is on its way: a directory
+    fsync after it must make that close durable all the same (the kernel may deliver the
+    FSYNCDIR to another front-end thread first)."""
+    core, _ = pt
+    fh, ino = written(core, b"x" * 7000, os.O_WRONLY)
+    dfh = core.opendir(ROOT)
+    core.fsyncdir(dfh, False)
+    with core.meta.read() as txn:  # committed: the deferred batch went with the fsync
+        assert txn.get_inode(ino).size == 7000
+    core.release(fh)
+    core.releasedir(dfh)
+    assert fsmeta_problems(core.meta) == []
+
+
 def test_truncate_and_utimes_of_an_open_file_reach_the_cache_file(pt):
     core, _ = pt
     fh, ino = written(core, b"x" * 100, os.O_RDWR)

@@ -519,7 +519,7 @@ def test_file_whose_close_failed_to_persist_still_drains(denv, monkeypatch):
         denv.core.write(fh, 0, b"weights")
         denv.core.flush(fh)
 
-        def full_device(of):
+        def full_device(of, then=None):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         with monkeypatch.context() as m:

@@ -102,6 +102,36 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
     assert hashlib.sha256((gw.bucket / "run" / "big.bin").read_bytes()).digest() == digest.digest()
 
 
+def test_close_sends_no_flush_and_an_unmount_right_after_loses_no_size(gateway_factory):
+    """A passthrough close(2) is one round trip less (no FLUSH); its RELEASE stores the size
+    after close(2) returned. A stat in between sees the size all the same, and an unmount right
+    after many closes keeps every file's bytes. (An unmount ends the RELEASEs still queued; the
+    end of the session releasing what they would have is checked without that race in
+    tests/test_core_passthrough.py.)"""
+    gw = gateway_factory(data_path="passthrough")
+    (gw.mnt / "d").mkdir()
+    expected = {}
+
+    def write_files(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            path = gw.mnt / "d" / f"f{i}"
+            data = os.urandom(1000 + i)
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+            expected[path.name] = data
+
+    flushes = _ops(gw, "flush")
+    write_files(0, 10)
+    for i in range(10):
+        assert os.stat(gw.mnt / "d" / f"f{i}").st_size == 1000 + i
+    assert _ops(gw, "flush") == flushes, "close(2) of a passthrough handle sent FLUSH"
+    write_files(10, 400)
+    assert gw.stop() == 0  # at once: the last RELEASEs may still be queued
+    gw.start()
+    assert {p.name: p.read_bytes() for p in (gw.mnt / "d").iterdir()} == expected
+
+
 def test_required_passthrough_is_refused_with_the_reason_where_unavailable(tmp_path, monkeypatch, capsys):
     from ckptfs.fsmeta.settings import Settings
     from ckptfs.gateway import mount, passthrough

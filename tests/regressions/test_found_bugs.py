@@ -174,13 +174,13 @@ def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
     persist = files.persist
     released = []
 
-    def release_elsewhere_then_persist(of):
+    def release_elsewhere_then_persist(of, then=None):
         if not released:
             released.append(fh)
             worker = threading.Thread(target=core.release, args=(fh,))
             worker.start()
             worker.join()
-        return persist(of)
+        return persist(of, then)
 
     files.persist = release_elsewhere_then_persist
     assert core.setattr(attr.ino, SetattrRequest(size=10)).size == 10  # was EBADF
