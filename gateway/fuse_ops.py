@@ -209,8 +209,9 @@ class CkptOperations:
                 # No FLUSH at close(2): for a passthrough handle it would only store the size
                 # and times, which RELEASE stores too, and it is a synchronous round trip of
                 # every create+write+close. RELEASE comes after close(2) has returned: a stat
-                # meanwhile reads the cache file (FsCore._attr), and the RELEASEs an unmount
-                # ends unread are done at the end of the session (FsCore.release_all).
+                # meanwhile reads the cache file (FsCore._attr), a directory fsync stores the
+                # sizes first (OpenFiles.persist_writers), and the RELEASEs an unmount ends
+                # unread are done at the end of the session (FsCore.release_all).
                 return (fh, bid, OPEN_NOFLUSH)
             # Served by the gateway (a file being fetched, or a writer under cache-space
             # pressure, gateway/space.py): pages the kernel cached at an earlier such open may be
