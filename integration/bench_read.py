@@ -15,10 +15,11 @@ are in the bucket only. Each round, alternating which side goes first:
    prefetched cache files, each read once untimed (this VM's disk serves the first read of
    blocks just written at ~350-500 MB/s, then ~1.8 GB/s). Both are written back (``sync``) and
    their page cache emptied first (``POSIX_FADV_DONTNEED`` on the files), ``--warm-repeats``
-   times per round with the sides alternating (single reads from disk spread widely). Target
-   >= 0.9x. Then the same from the
-   page cache ("hot": where a prefetch leaves what it fetched; each side read once untimed
-   first), which shows what the mount itself costs without the disk's swings.
+   times per round with the sides alternating (single reads from disk spread widely: this VM's
+   disk also serves blocks read a moment before fast, so which side its host's cache favoured
+   shows in the ratio). Target >= 0.9x. Then the same from the page cache ("hot": where a
+   prefetch leaves what it fetched; each side read once untimed first), which shows what the
+   mount itself costs without the disk's swings.
 4. **Gateway peak RSS** (``VmHWM``) during a cold read of one big file (default 8 GiB).
    Target <= 300 MiB.
 
