@@ -283,7 +283,7 @@ def main(argv=None) -> int:
             # Removed before the prefetch, as each side's files are before the other's: a
             # side that has to take page-cache pages nobody freed just before pays for them on
             # this kind of VM (virtio-balloon): a prefetch with boto3's copies kept ran at
-            # 280-300 MB/s and 3.6-3.9 gateway CPU s/GiB, against 475-490 and 1.3-1.4 without.
+            # 280-300 MB/s and 3.6-3.9 gateway CPU s/GiB, against 474-493 and 1.3-1.4 without.
             shutil.rmtree(bench.dl, ignore_errors=True)
             m.start()
             cpu0, t0 = proc_cpu([m.proc.pid]), time.monotonic()
