@@ -33,15 +33,6 @@ def _ops(gw, op: str) -> float:
     return 0.0
 
 
-def _settled_ops(gw, op: str, expected: float, timeout: float = 10.0) -> float:
-    """The count of ``op`` once it reached ``expected`` (or the timeout passed): the front end
-    counts a request after sending its reply, so the caller can be a moment ahead of it."""
-    deadline = time.monotonic() + timeout
-    while (n := _ops(gw, op)) < expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return n
-
-
 def _gauge(gw, name: str) -> float | None:
     for line in gw.metrics().splitlines():
         if line.startswith(name + " "):
@@ -87,8 +78,10 @@ def test_writes_bypass_the_gateway_and_reach_cache_and_bucket(gateway_factory, t
         digest.update(chunk)
         os.write(fd, chunk)
     os.fsync(fd)
-    # fsync still reaches the gateway (fsmeta sync). It is counted once its reply is sent.
-    assert _settled_ops(gw, "fsync", fsyncs + 1) == fsyncs + 1
+    # fsync still reaches the gateway (fsmeta sync). It is counted once its reply is sent, so
+    # the caller can be a moment ahead of the count.
+    _wait_for(lambda: _ops(gw, "fsync") >= fsyncs + 1, 10, "the fsync to be counted")
+    assert _ops(gw, "fsync") == fsyncs + 1
     os.close(fd)
     assert os.stat(path).st_size == 64 * MiB
     assert hashlib.sha256(path.read_bytes()).digest() == digest.digest()
@@ -208,9 +201,6 @@ def test_a_file_being_fetched_is_read_past_the_page_cache_in_passthrough_mode(ga
         assert os.pread(f.fileno(), MiB, 0) == data[:MiB]
         # Not served from the mount's page cache. (A request is counted once its reply is sent,
         # so the reader can get its bytes just before the count moves: wait for it.)
-        deadline = time.monotonic() + 10
-        while reads(gw) - before < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert reads(gw) - before >= 1
+        _wait_for(lambda: reads(gw) - before >= 1, 10, "a READ to reach the gateway")
         assert f.read() == data[MiB:]
     assert settled_state(gw.mnt / "big.bin", b"durable") == b"durable"
