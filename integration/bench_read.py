@@ -181,6 +181,10 @@ class Bench:
     def local(self, key: str) -> Path:
         return self.dl / key
 
+    def cache_file(self, key: str) -> Path:
+        """The cache file behind ``key`` on the running mount."""
+        return self.mount.cache / "data" / f"{os.stat(self.mount.mnt / key).st_ino:x}"
+
 
 def tear_down(bench: Bench | None, s3, base: Path) -> None:
     """Unmount (if still mounted), stop the S3 server, remove the work directory."""
@@ -308,7 +312,7 @@ def main(argv=None) -> int:
             for k in keys:  # each side's first read of its fresh blocks, untimed (see above)
                 drop_cache(bench.local(k))
                 read_file(bench.local(k))
-                drop_cache(m.cache / "data" / f"{os.stat(m.mnt / k).st_ino:x}")
+                drop_cache(bench.cache_file(k))
                 read_file(m.mnt / k)
             # "warm": from the disk, each side's page cache of the files emptied before each read;
             # "hot": from the page cache (where a prefetch leaves what it just fetched), each
@@ -324,8 +328,7 @@ def main(argv=None) -> int:
                                  for s in (("plain", "mount") if (r + rep) % 2 == 0 else ("mount", "plain"))]:
                         root = bench.dl if side == "plain" else m.mnt
                         for k in ckeys if kind == "warm" else ():
-                            drop_cache(bench.local(k) if side == "plain"
-                                       else m.cache / "data" / f"{os.stat(m.mnt / k).st_ino:x}")
+                            drop_cache(bench.local(k) if side == "plain" else bench.cache_file(k))
                         cpu0, t0 = proc_cpu([m.proc.pid]), time.monotonic()
                         run(root)
                         note(f"{kind} {name}: {side}", nb / (time.monotonic() - t0))
