@@ -76,8 +76,8 @@ class OpenFiles:
                     created: bool = False) -> int:
         """A handle on ``inode``. ``seen_claims``: ``CoreState.claim_seq`` before the caller
         read ``inode``; if a claim (an eviction, a truncate without a handle) was taken or
-        ended since, :class:`EvictedMeanwhile` asks the caller to read it again (its cache
-        file may be gone, its size changed).
+        ended since, or a last close stored a size, :class:`EvictedMeanwhile` asks the caller
+        to read it again (its cache file may be gone, its size changed).
 
         ``created``: ``inode`` was just made by this open (O_CREAT): its cache file is new,
         and, for an open for writing, the transaction that made it also counted the writer
@@ -476,6 +476,10 @@ class OpenFiles:
                     # allocation), which this must not put back.
                     s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
                 del s.open_files[of.ino]
+                # Its release stored the size: an open that read the inode before must read it
+                # again, or, finding no open file, it would take that old size for the cache
+                # file's (with no FLUSH at a passthrough close(2), the very next open can).
+                s.claim_seq += 1
         if last:
             if s.backing is not None:
                 self._release_backing(of)

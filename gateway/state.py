@@ -54,8 +54,9 @@ class CoreState:
     # evictor removing it, a setattr (truncate) without a handle. Their first open (and
     # another claim) waits on ``claims_done``, then reads the inode again.
     claimed: set[int] = field(default_factory=set)
-    # Moves when a claim is taken and when it ends (under ``lock``): an open that read the
-    # inode before either reads it again (``OpenFiles.open_handle``).
+    # Moves when a claim is taken and when it ends, and at the last close of an open file
+    # (under ``lock``): an open that read the inode before any of these reads it again
+    # (``OpenFiles.open_handle``).
     claim_seq: int = 0
 
     def __post_init__(self) -> None:

@@ -190,6 +190,33 @@ def test_truncate_by_path_while_the_last_handle_is_released_elsewhere(core):
     assert core.getattr(attr.ino).size == 10
 
 
+def test_an_open_that_read_the_inode_before_the_last_release_stored_its_size(core):
+    """Fresh-clone CI, test_mount_posix.py::test_open_creat_excl_trunc[passthrough]: a file
+    rewritten, closed and read back at once read back empty. A passthrough close(2) sends no
+    FLUSH, so the next open can read the inode (old size) before the RELEASE stores the new
+    one; the RELEASE then closed the open file, and the open, finding none, took itself for
+    the first and cut the cache file to the size it had read (OpenFiles._adopt). A last
+    close now counts as a change an open must read again after (CoreState.claim_seq)."""
+    _passthrough(core)
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    with open(core._data_path(attr.ino), "r+b") as kernel_write:  # a passthrough WRITE
+        kernel_write.write(b"2nd")
+    files = core._files
+    open_handle = files.open_handle
+
+    def release_lands_first(inode, flags, **kwargs):
+        if fh in core._state.handles:  # the writer's RELEASE, between the read and the open
+            core.release(fh)
+        return open_handle(inode, flags, **kwargs)
+
+    files.open_handle = release_lands_first
+    reader = core.open(attr.ino, os.O_RDONLY)
+    assert fh not in core._state.handles
+    assert os.stat(core._data_path(attr.ino)).st_size == 3  # was 0
+    assert core.getattr(attr.ino).size == 3
+    core.release(reader)
+
+
 # -- races between the FUSE worker threads (gateway/workers.py), forced deterministically --------
 
 
