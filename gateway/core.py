@@ -486,11 +486,12 @@ class FsCore:
         self.remote.refresh_child(parent, name)  # a directory with unlisted objects is not empty
         self._namespace.rmdir(parent, name)
 
-    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> None:
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> bool:
+        """True if a directory was moved, exchanged or replaced."""
         # The drain moves what fsmeta knows below a renamed directory: list all of it first.
         self.remote.refresh_child(old_parent, old_name, subtree=True)
         self.remote.refresh_child(new_parent, new_name, subtree=bool(flags & RENAME_EXCHANGE))
-        self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
+        return self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
 
     # -- open files ----------------------------------------------------------------------
 

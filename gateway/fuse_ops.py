@@ -21,7 +21,8 @@ import functools
 import logging
 import os
 
-from ckptfs_fuse import OPEN_DIRECT_IO, OPEN_KEEP_CACHE, OPEN_NOFLUSH, ROOT_INODE, FuseError
+from ckptfs_fuse import (OPEN_DIRECT_IO, OPEN_KEEP_CACHE, OPEN_NOFLUSH, ROOT_INODE, FuseError, forget_dir_attrs,
+                         remember_dir_attrs)
 
 from . import metrics, mountpoint
 from .core import ENTRY_TIMEOUT_MIN, Attr, Caller, FsCore, SetattrRequest
@@ -132,6 +133,18 @@ class CkptOperations:
             log.exception("entry timeout of directory %s failed; using %g s", parent, ENTRY_TIMEOUT_MIN)
             return ENTRY_TIMEOUT_MIN
 
+    def _changed(self, *dirs: int) -> None:
+        """After a change in ``dirs``: hand the front end their attributes as the change left
+        them. The kernel drops what it holds of a changed directory's attributes and asks again
+        at its next permission check there (``default_permissions``); the front end answers that
+        GETATTR itself (native/README.md, "Directory attributes after a change"). Never raises:
+        the change is done, and without the attributes the GETATTR comes here as before."""
+        for ino in dict.fromkeys(dirs):  # a rename within one directory names it twice
+            try:
+                remember_dir_attrs(_entry(self.core.getattr(ino)))
+            except Exception:
+                log.warning("attributes of changed directory %s not kept", ino, exc_info=True)
+
     # -- names and attributes: replies are entries ------------------------------------------
 
     @_answer("lookup")
@@ -167,16 +180,19 @@ class CkptOperations:
     @_answer("mknod")
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.mknod(parent, name, mode, rdev, Caller(uid, gid, umask, pid))
+        self._changed(parent)
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("mkdir")
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.mkdir(parent, name, mode, Caller(uid, gid, umask, pid))
+        self._changed(parent)
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("unlink")
     def unlink(self, parent: int, name: bytes) -> None:
         self.core.unlink(parent, name)
+        self._changed(parent)
 
     @_answer("rmdir")
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -185,15 +201,20 @@ class CkptOperations:
     @_answer("symlink")
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.symlink(parent, name, target, Caller(uid, gid, umask, pid))
+        self._changed(parent)
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("rename")
     def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int) -> None:
-        self.core.rename(parent, name, new_parent, new_name, flags)
+        if self.core.rename(parent, name, new_parent, new_name, flags):
+            forget_dir_attrs()  # a directory moved or went: what is kept of it is stale
+        else:
+            self._changed(parent, new_parent)
 
     @_answer("link")
     def link(self, ino: int, new_parent: int, new_name: bytes) -> tuple:
         attr = self.core.link(ino, new_parent, new_name)
+        self._changed(new_parent)
         return _entry(attr, self._entry_timeout(new_parent))
 
     # -- files: open replies are (fh, backing_id, OPEN_* flags) --------------------------------
@@ -229,6 +250,7 @@ class CkptOperations:
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, umask: int,
                pid: int) -> tuple:
         fh, attr = self.core.create(parent, name, mode, flags, Caller(uid, gid, umask, pid))
+        self._changed(parent)
         return (*self._opened(fh), _entry(attr, self._entry_timeout(parent)))  # (fh, bid, flags, entry)
 
     @_answer("read")

@@ -70,7 +70,8 @@ drain_metrics.add_build_info(REGISTRY)
 
 
 class FuseRequestCollector:
-    """``ckptfs_fuse_requests_total`` and ``ckptfs_fuse_request_duration_seconds``, by op: the
+    """``ckptfs_fuse_requests_total`` and ``ckptfs_fuse_request_duration_seconds``, by op (and
+    ``ckptfs_fuse_dir_attrs_answered_total``): the
     front end counts and times every request in C (``Session.request_stats``), from the
     moment a thread read it until its reply was sent, so no request pays for Prometheus'
     locks in Python."""
@@ -97,9 +98,14 @@ class FuseRequestCollector:
                 cumulative.append((bound, running))
             seconds.add_metric([op], cumulative, total)
             gil.add_metric([op], gil_seconds)
+        kept = CounterMetricFamily("ckptfs_fuse_dir_attrs_answered",
+                                   "GETATTRs of a directory just changed, answered by the front end from the "
+                                   "attributes the change left, without Python (counted in ckptfs_fuse_requests too)")
+        kept.add_metric([], self._session.dir_attr_hits)
         yield requests
         yield seconds
         yield gil
+        yield kept
 
 
 def watch_fuse(session, bounds) -> None:

@@ -248,7 +248,8 @@ class Namespace:
 
     # -- rename ------------------------------------------------------------------------
 
-    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> None:
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> bool:
+        """True if a directory was one of the two inodes (moved, exchanged or replaced)."""
         check_name(new_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (
             flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE
@@ -256,6 +257,7 @@ class Namespace:
             raise FsError(errno.EINVAL, "unsupported rename flags")
         now = self._state.clock()
         victim_box: list[int] = []
+        dirs_box: list[bool] = [False]
 
         def rename(txn: Txn) -> None:
             old_dir = need_dir(txn, old_parent)
@@ -267,6 +269,7 @@ class Namespace:
             inode = need_inode(txn, ino)
             target_ino = txn.lookup(new_parent, new_name)
             target = txn.get_inode(target_ino) if target_ino is not None else None
+            dirs_box[0] = inode.is_dir or (target is not None and target.is_dir)
 
             if flags & RENAME_EXCHANGE:
                 if target is None:
@@ -328,6 +331,7 @@ class Namespace:
         self._state.meta.write(rename)
         for victim in victim_box:
             self._lookups.maybe_purge(victim)
+        return dirs_box[0]
 
     @staticmethod
     def _forget_old_name(txn: Txn, ino: int, old_key: str, now: int) -> None:

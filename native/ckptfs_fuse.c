@@ -18,6 +18,9 @@
  *   .unmount(), .destroy(), .fd
  *   .passthrough_granted, .direct_io_mmap_granted, .writeback_cache_granted: set at INIT.
  *   FuseError(errno): what an ops method raises to answer an errno.
+ *   remember_dir_attrs(entry), forget_dir_attrs(): from within a request that changes a
+ *              directory, its attributes for the GETATTR that follows (see "Directory
+ *              attributes after a change" below).
  *
  * The ops methods and their results are listed in gateway/fuse_ops.py (``CkptOperations``).
  * An entry is a tuple (ino, entry_timeout, attr_timeout, mode, nlink, uid, gid, rdev, size,
@@ -112,8 +115,24 @@ struct worker {
     int reading;        /* blocked (or about to block) in read(2): may be woken by a signal */
     int init_handled;   /* this worker answered INIT: call ops.init_replied() after the reply */
     uint64_t gil_ns;    /* of the request being served: time spent waiting for the GIL */
+    uint64_t changing[2]; /* directories the request being served may change (dir_attrs_begin) */
+    int n_changing;
     struct worker *next;
 };
+
+/* A directory's attributes as a request that changed it left them (see "Directory attributes
+ * after a change" below). */
+struct dir_attrs {
+    struct dir_attrs *next;
+    uint64_t ino;
+    int changing;        /* requests changing the directory now */
+    int overlapped;      /* two of them overlapped: keep nothing until none is left */
+    int valid;
+    uint64_t expires_ns; /* CLOCK_MONOTONIC */
+    struct stat st;
+};
+#define DIR_ATTRS_BUCKETS 256
+#define DIR_ATTRS_MAX 4096
 
 typedef struct session {
     PyObject_HEAD
@@ -140,6 +159,11 @@ typedef struct session {
     volatile int running;   /* run() in progress */
     int error;              /* errno that ended the loop, 0 for an unmount or exit() */
     struct op_stat stats[N_OPCODES]; /* [0]: opcodes without a name */
+    /* directory attributes after a change, answered to GETATTR without Python */
+    pthread_mutex_t dir_attrs_lock;
+    struct dir_attrs *dir_attrs[DIR_ATTRS_BUCKETS];
+    unsigned n_dir_attrs;
+    uint64_t dir_attrs_hits;
 } Session;
 
 static __thread struct worker *this_worker;
@@ -352,6 +376,201 @@ static PyObject *ctx_args(fuse_req_t req, PyObject **args)
 
 static inline Session *session_of(fuse_req_t req) { return (Session *)fuse_req_userdata(req); }
 
+/* ---- directory attributes after a change ----------------------------------------------------
+ *
+ * With default_permissions, every create, unlink, rename, mkdir, ... makes the kernel drop the
+ * attributes it holds of the directory (fuse_dir_changed marks them stale), and its next
+ * permission check in that directory asks for them again: one GETATTR per namespace change,
+ * answered by Python. So a request that changes a directory may hand the front end the
+ * directory's attributes as the change left them (ckptfs_fuse.remember_dir_attrs, from within
+ * the request), and the GETATTR that follows is answered here, without the GIL.
+ *
+ * What keeps this coherent:
+ *  - only a request that names the directory as the one it changes (the parent of create,
+ *    mknod, mkdir, symlink, unlink, rmdir, link, both parents of rename, the inode of setattr,
+ *    setxattr, removexattr) may store its attributes, and only while it runs; while any such
+ *    request runs, GETATTR goes to Python;
+ *  - when two of them overlap on one directory, nothing is kept until both have ended: the
+ *    first one's attributes could miss the second one's change;
+ *  - rmdir, and a rename that moved or replaced a directory, drop everything kept
+ *    (ckptfs_fuse.forget_dir_attrs): the directory they removed or moved may be kept;
+ *  - what is kept is answered for at most the attribute timeout it came with, counted from when
+ *    it was stored, and with what is left of it: the kernel could have kept the same reply that
+ *    long. A change made by something else in that time (a bucket listing, another process
+ *    writing fsmeta) shows as late as it would have with the kernel's own cache.
+ * The entry is stored before the request's reply goes out, so the kernel's GETATTR, sent after
+ * the reply, finds it. */
+
+static struct dir_attrs **dir_attrs_slot(Session *s, uint64_t ino)
+{
+    struct dir_attrs **p = &s->dir_attrs[ino % DIR_ATTRS_BUCKETS];
+    while (*p != NULL && (*p)->ino != ino)
+        p = &(*p)->next;
+    return p;
+}
+
+/* Unlink and free *p (dir_attrs_lock held). */
+static void dir_attrs_drop(Session *s, struct dir_attrs **p)
+{
+    struct dir_attrs *e = *p;
+    *p = e->next;
+    free(e);
+    s->n_dir_attrs--;
+}
+
+/* Drop the entries that have expired and that no request is changing (dir_attrs_lock held). */
+static void dir_attrs_sweep(Session *s)
+{
+    uint64_t now = now_ns();
+    for (int b = 0; b < DIR_ATTRS_BUCKETS; b++) {
+        struct dir_attrs **p = &s->dir_attrs[b];
+        while (*p != NULL) {
+            if ((*p)->changing == 0 && now >= (*p)->expires_ns)
+                dir_attrs_drop(s, p);
+            else
+                p = &(*p)->next;
+        }
+    }
+}
+
+/* The request in this thread may change directory ino: what is kept of it goes, and GETATTR
+ * goes to Python until the request has ended. */
+static void dir_attrs_begin(Session *s, uint64_t ino)
+{
+    struct worker *w = this_worker;
+    if (w == NULL || w->n_changing == 2 || (w->n_changing == 1 && w->changing[0] == ino))
+        return;
+    pthread_mutex_lock(&s->dir_attrs_lock);
+    struct dir_attrs **p = dir_attrs_slot(s, ino);
+    struct dir_attrs *e = *p;
+    if (e == NULL && s->n_dir_attrs >= DIR_ATTRS_MAX) {
+        dir_attrs_sweep(s); /* entries of directories nobody asked about again */
+        p = dir_attrs_slot(s, ino);
+    }
+    if (e == NULL && s->n_dir_attrs < DIR_ATTRS_MAX && (e = calloc(1, sizeof(*e))) != NULL) {
+        e->ino = ino;
+        *p = e;
+        s->n_dir_attrs++;
+    }
+    if (e != NULL) {
+        e->changing++;
+        e->valid = 0;
+        if (e->changing > 1)
+            e->overlapped = 1;
+        w->changing[w->n_changing++] = ino;
+    }
+    pthread_mutex_unlock(&s->dir_attrs_lock);
+}
+
+/* The request in this thread has ended (before its reply goes out). */
+static void dir_attrs_end(Session *s)
+{
+    struct worker *w = this_worker;
+    if (w == NULL || w->n_changing == 0)
+        return;
+    pthread_mutex_lock(&s->dir_attrs_lock);
+    for (int i = 0; i < w->n_changing; i++) {
+        struct dir_attrs **p = dir_attrs_slot(s, w->changing[i]);
+        struct dir_attrs *e = *p;
+        if (e == NULL)
+            continue;
+        if (--e->changing == 0) {
+            if (e->overlapped)
+                e->valid = e->overlapped = 0;
+            if (!e->valid)
+                dir_attrs_drop(s, p);
+        }
+    }
+    w->n_changing = 0;
+    pthread_mutex_unlock(&s->dir_attrs_lock);
+}
+
+/* GETATTR of ino from what a change left, if that is still good: 1 and *st, *timeout. */
+static int dir_attrs_get(Session *s, uint64_t ino, struct stat *st, double *timeout)
+{
+    int found = 0;
+    pthread_mutex_lock(&s->dir_attrs_lock);
+    if (s->n_dir_attrs > 0) {
+        struct dir_attrs **p = dir_attrs_slot(s, ino);
+        struct dir_attrs *e = *p;
+        if (e != NULL && e->valid && e->changing == 0) {
+            uint64_t now = now_ns();
+            if (now < e->expires_ns) {
+                *st = e->st;
+                *timeout = (double)(e->expires_ns - now) / 1e9;
+                __atomic_fetch_add(&s->dir_attrs_hits, 1, __ATOMIC_RELAXED);
+                found = 1;
+            } else {
+                dir_attrs_drop(s, p);
+            }
+        }
+    }
+    pthread_mutex_unlock(&s->dir_attrs_lock);
+    return found;
+}
+
+/* ckptfs_fuse.remember_dir_attrs(entry) -> bool */
+static PyObject *remember_dir_attrs(PyObject *module, PyObject *entry)
+{
+    (void)module;
+    struct worker *w = this_worker;
+    struct fuse_entry_param e;
+    if (entry_from(entry, &e) < 0)
+        return NULL;
+    if (e.ino == 0 || !S_ISDIR(e.attr.st_mode)) {
+        PyErr_SetString(PyExc_ValueError, "remember_dir_attrs takes a directory's entry");
+        return NULL;
+    }
+    int stored = 0;
+    if (w != NULL && e.attr_timeout > 0) {
+        Session *s = w->s;
+        pthread_mutex_lock(&s->dir_attrs_lock);
+        for (int i = 0; i < w->n_changing; i++) {
+            if (w->changing[i] != e.ino)
+                continue;
+            struct dir_attrs *d = *dir_attrs_slot(s, e.ino);
+            if (d != NULL && !d->overlapped) {
+                d->st = e.attr;
+                d->expires_ns = now_ns() + (uint64_t)(e.attr_timeout * 1e9);
+                d->valid = 1;
+                stored = 1;
+            }
+        }
+        pthread_mutex_unlock(&s->dir_attrs_lock);
+    }
+    return PyBool_FromLong(stored);
+}
+
+/* Drop everything kept: every entry not being changed goes, and those being changed keep
+ * nothing until their requests have ended. */
+static void dir_attrs_clear(Session *s)
+{
+    pthread_mutex_lock(&s->dir_attrs_lock);
+    for (int b = 0; b < DIR_ATTRS_BUCKETS && s->n_dir_attrs > 0; b++) {
+        struct dir_attrs **p = &s->dir_attrs[b];
+        while (*p != NULL) {
+            if ((*p)->changing == 0) {
+                dir_attrs_drop(s, p);
+            } else {
+                (*p)->valid = 0;
+                (*p)->overlapped = 1;
+                p = &(*p)->next;
+            }
+        }
+    }
+    pthread_mutex_unlock(&s->dir_attrs_lock);
+}
+
+/* ckptfs_fuse.forget_dir_attrs() */
+static PyObject *forget_dir_attrs(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (this_worker != NULL)
+        dir_attrs_clear(this_worker->s);
+    Py_RETURN_NONE;
+}
+
 /* ---- handlers ------------------------------------------------------------------------------- */
 
 static void ll_init(void *userdata, struct fuse_conn_info *conn)
@@ -398,6 +617,7 @@ static void reply_entry_result(fuse_req_t req, Session *s, enum op op, PyObject 
         err = take_error(s, op);
     Py_XDECREF(r);
     leave();
+    dir_attrs_end(s);
     if (err)
         fuse_reply_err(req, err);
     else
@@ -410,6 +630,7 @@ static void reply_none_result(fuse_req_t req, Session *s, enum op op, PyObject *
     int err = r == NULL ? take_error(s, op) : 0;
     Py_XDECREF(r);
     leave();
+    dir_attrs_end(s);
     fuse_reply_err(req, err);
 }
 
@@ -464,6 +685,7 @@ static void reply_attr_result(fuse_req_t req, Session *s, enum op op, PyObject *
     }
     Py_XDECREF(r);
     leave();
+    dir_attrs_end(s);
     if (err)
         fuse_reply_err(req, err);
     else
@@ -473,7 +695,13 @@ static void reply_attr_result(fuse_req_t req, Session *s, enum op op, PyObject *
 static void ll_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     Session *s = session_of(req);
+    struct stat st;
+    double timeout;
     (void)fi;
+    if (dir_attrs_get(s, ino, &st, &timeout)) {
+        fuse_reply_attr(req, &st, timeout);
+        return;
+    }
     enter();
     PyObject *a[] = {u64(ino)};
     reply_attr_result(req, s, OP_GETATTR, call(s, OP_GETATTR, a, 1));
@@ -487,6 +715,7 @@ static void ll_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to
         clock_gettime(CLOCK_REALTIME, &now);
     int64_t now_ns = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 #define NS(ts) ((int64_t)(ts).tv_sec * 1000000000 + (ts).tv_nsec)
+    dir_attrs_begin(s, ino);
     enter();
     PyObject *none = Py_None;
     PyObject *a[9];
@@ -535,6 +764,7 @@ static void ll_readlink(fuse_req_t req, fuse_ino_t ino)
 static void ll_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[8] = {u64(parent), name_of(name), u64(mode), u64(rdev)};
     ctx_args(req, a + 4);
@@ -544,6 +774,7 @@ static void ll_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
 static void ll_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[7] = {u64(parent), name_of(name), u64(mode)};
     ctx_args(req, a + 3);
@@ -553,6 +784,7 @@ static void ll_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t
 static void ll_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[] = {u64(parent), name_of(name)};
     reply_none_result(req, s, OP_UNLINK, call(s, OP_UNLINK, a, 2));
@@ -561,14 +793,18 @@ static void ll_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
 static void ll_rmdir(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[] = {u64(parent), name_of(name)};
-    reply_none_result(req, s, OP_RMDIR, call(s, OP_RMDIR, a, 2));
+    PyObject *r = call(s, OP_RMDIR, a, 2);
+    dir_attrs_clear(s); /* the directory removed may be kept */
+    reply_none_result(req, s, OP_RMDIR, r);
 }
 
 static void ll_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[7] = {u64(parent), name_of(name), name_of(link)};
     ctx_args(req, a + 3);
@@ -579,6 +815,8 @@ static void ll_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
                       const char *newname, unsigned int flags)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, parent);
+    dir_attrs_begin(s, newparent);
     enter();
     PyObject *a[] = {u64(parent), name_of(name), u64(newparent), name_of(newname), u64(flags)};
     reply_none_result(req, s, OP_RENAME, call(s, OP_RENAME, a, 5));
@@ -587,6 +825,7 @@ static void ll_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_
 static void ll_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, newparent);
     enter();
     PyObject *a[] = {u64(ino), u64(newparent), name_of(newname)};
     reply_entry_result(req, s, OP_LINK, call(s, OP_LINK, a, 3));
@@ -623,6 +862,7 @@ static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
 {
     Session *s = session_of(req);
     struct fuse_entry_param e;
+    dir_attrs_begin(s, parent);
     enter();
     PyObject *a[8] = {u64(parent), name_of(name), u64(mode), i64(fi->flags)};
     ctx_args(req, a + 4);
@@ -637,6 +877,7 @@ static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
         err = take_error(s, OP_CREATE);
     Py_XDECREF(r);
     leave();
+    dir_attrs_end(s);
     if (err)
         fuse_reply_err(req, err);
     else if (fuse_reply_create(req, &e, fi) == -ENOENT) {
@@ -908,6 +1149,7 @@ static void ll_statfs(fuse_req_t req, fuse_ino_t ino)
 static void ll_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value, size_t size, int flags)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, ino);
     enter();
     PyObject *a[] = {u64(ino), name_of(name), PyBytes_FromStringAndSize(value, (Py_ssize_t)size), i64(flags)};
     reply_none_result(req, s, OP_SETXATTR, call(s, OP_SETXATTR, a, 4));
@@ -970,6 +1212,7 @@ static void ll_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size)
 static void ll_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
 {
     Session *s = session_of(req);
+    dir_attrs_begin(s, ino);
     enter();
     PyObject *a[] = {u64(ino), name_of(name)};
     reply_none_result(req, s, OP_REMOVEXATTR, call(s, OP_REMOVEXATTR, a, 2));
@@ -1294,6 +1537,7 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     self->fd = fuse_session_fd(se);
     pthread_mutex_init(&self->lock, NULL);
     pthread_cond_init(&self->ended, NULL);
+    pthread_mutex_init(&self->dir_attrs_lock, NULL);
 
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
@@ -1419,6 +1663,10 @@ static void session_free(Session *self)
         self->se = NULL;
         pthread_mutex_destroy(&self->lock);
         pthread_cond_destroy(&self->ended);
+        for (int b = 0; b < DIR_ATTRS_BUCKETS; b++)
+            while (self->dir_attrs[b] != NULL)
+                dir_attrs_drop(self, &self->dir_attrs[b]);
+        pthread_mutex_destroy(&self->dir_attrs_lock);
     }
 }
 
@@ -1458,6 +1706,11 @@ static PyObject *Session_get_pt(Session *self, void *c) { (void)c; return PyBool
 static PyObject *Session_get_wb(Session *self, void *c) { (void)c; return PyBool_FromLong(self->writeback_granted); }
 static PyObject *Session_get_dm(Session *self, void *c) { (void)c; return PyBool_FromLong(self->dio_mmap_granted); }
 static PyObject *Session_get_mr(Session *self, void *c) { (void)c; return PyLong_FromUnsignedLong(self->splice_max_read); }
+static PyObject *Session_get_dir_attr_hits(Session *self, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->dir_attrs_hits, __ATOMIC_RELAXED));
+}
 static PyObject *Session_get_threads(Session *self, void *c)
 {
     (void)c;
@@ -1535,6 +1788,7 @@ static PyGetSetDef Session_getset[] = {
     {"direct_io_mmap_granted", (getter)Session_get_dm, NULL, "INIT negotiated FUSE_DIRECT_IO_ALLOW_MMAP", NULL},
     {"splice_max_read", (getter)Session_get_mr, NULL, "0, or the max_read mount option that keeps each READ reply within one pipe (see splice_max_read)", NULL},
     {"threads", (getter)Session_get_threads, NULL, "worker threads started", NULL},
+    {"dir_attr_hits", (getter)Session_get_dir_attr_hits, NULL, "GETATTRs answered from a directory's attributes kept after a change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1551,10 +1805,19 @@ static PyTypeObject SessionType = {
     .tp_getset = Session_getset,
 };
 
+static PyMethodDef module_methods[] = {
+    {"remember_dir_attrs", (PyCFunction)remember_dir_attrs, METH_O,
+     "From within a request that changes a directory: its entry as the change left it, for the "
+     "GETATTR that follows (answered without Python). True if kept."},
+    {"forget_dir_attrs", (PyCFunction)forget_dir_attrs, METH_NOARGS,
+     "From within a request: drop every directory's attributes kept (a directory was moved or removed)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "ckptfs_fuse",
     "The ckptfs gateway's FUSE front end over libfuse's low-level API (native/ckptfs_fuse.c).",
-    -1, NULL, NULL, NULL, NULL, NULL,
+    -1, module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit_ckptfs_fuse(void)

@@ -573,3 +573,107 @@ def test_namespace_is_consistent_after_all_of_it(mnt, shared_gateway):
     # Runs last in this module: everything above left fsmeta consistent.
     subprocess.run(["sync"], check=False)
     assert check_cache_dir(shared_gateway.cache) == []
+
+
+# -- a directory's attributes right after a change (the front end answers that GETATTR) --------
+
+def _counter(gw, name: str) -> float:
+    for line in gw.metrics().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_changed_directory_shows_what_each_change_left_at_once(mnt):
+    a, b = mnt / "a", mnt / "b"
+    a.mkdir()
+    b.mkdir()
+
+    def changes(change, *expect):
+        """Run ``change``; then each (dir, nlink) of ``expect`` shows that link count and a
+        newer mtime and ctime, right away."""
+        before = {d: os.stat(d) for d, _ in expect}
+        change()
+        for d, nlink in expect:
+            st = os.stat(d)
+            assert st.st_nlink == nlink, (change, d)
+            assert st.st_mtime_ns > before[d].st_mtime_ns and st.st_ctime_ns > before[d].st_ctime_ns, (change, d)
+
+    changes(lambda: (a / "f").write_bytes(b"x"), (a, 2))
+    changes(lambda: (a / "sub").mkdir(), (a, 3))
+    changes(lambda: os.symlink("f", a / "l"), (a, 3))
+    changes(lambda: os.link(a / "f", a / "g"), (a, 3))
+    changes(lambda: os.mkfifo(a / "p"), (a, 3))
+    changes(lambda: os.rename(a / "f", a / "h"), (a, 3))
+    changes(lambda: os.rename(a / "h", b / "h"), (a, 3), (b, 2))
+    changes(lambda: os.rename(a / "sub", b / "sub"), (a, 2), (b, 3))
+    changes(lambda: os.rmdir(b / "sub"), (b, 2))
+    changes(lambda: os.unlink(b / "h"), (b, 2))
+    # Changes of the directory itself, right after a change in it.
+    (a / "q").write_bytes(b"")
+    a.chmod(0o700)
+    assert stat.S_IMODE(os.stat(a).st_mode) == 0o700
+    (a / "r").write_bytes(b"")
+    before = os.stat(a).st_ctime_ns
+    os.setxattr(a, "user.note", b"1")
+    assert os.stat(a).st_ctime_ns > before
+
+
+def test_a_directory_removed_or_replaced_right_after_a_change_in_it_shows_no_links(mnt):
+    for how in ("rmdir", "rename over it"):
+        d, other = mnt / "gone", mnt / "other"
+        d.mkdir()
+        other.mkdir()
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            (d / "f").write_bytes(b"x")  # a change in it: the front end keeps its attributes
+            os.unlink(d / "f")
+            assert os.fstat(fd).st_nlink == 2
+            if how == "rmdir":
+                os.rmdir(d)
+            else:
+                os.rename(other, d)
+            assert os.fstat(fd).st_nlink == 0, how
+        finally:
+            os.close(fd)
+        os.rmdir(d if how != "rmdir" else other)
+
+
+def test_concurrent_changes_of_one_directory_leave_it_showing_the_last_state(mnt):
+    """Changes that overlap in one directory: what stat shows right after them is what the
+    gateway shows once every cached attribute has timed out (the kernel's and the front end's
+    keep a reply for at most 1 s)."""
+    import threading
+
+    d = mnt / "busy"
+    d.mkdir()
+
+    def churn(t: int) -> None:
+        for i in range(60):
+            (d / f"{t}-{i}").write_bytes(b"x")
+            (d / f"s{t}-{i}").mkdir()
+            os.rename(d / f"{t}-{i}", d / f"{t}-{i}.done")
+            if i % 2:
+                os.rmdir(d / f"s{t}-{i}")
+
+    threads = [threading.Thread(target=churn, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    right_after = os.stat(d)
+    time.sleep(1.5)
+    settled = os.stat(d)
+    assert (right_after.st_nlink, right_after.st_mtime_ns, right_after.st_ctime_ns) == \
+        (settled.st_nlink, settled.st_mtime_ns, settled.st_ctime_ns)
+    assert settled.st_nlink == 2 + 4 * 30
+
+
+def test_the_getattr_after_each_create_is_answered_by_the_front_end(mnt, shared_gateway):
+    before = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total")
+    for i in range(200):
+        (mnt / f"f{i}").write_bytes(b"x")
+    answered = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total") - before
+    # One per create (the kernel's permission check of the directory before the next one); a
+    # reply kept for 1 s could only be missed after a stall of over a second.
+    assert answered >= 100, answered
