@@ -670,10 +670,14 @@ def test_concurrent_changes_of_one_directory_leave_it_showing_the_last_state(mnt
 
 
 def test_the_getattr_after_each_create_is_answered_by_the_front_end(mnt, shared_gateway):
-    before = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total")
+    answered_before = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total")
+    asked_before = _ops(shared_gateway, "getattr")
     for i in range(200):
         (mnt / f"f{i}").write_bytes(b"x")
-    answered = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total") - before
-    # One per create (the kernel's permission check of the directory before the next one); a
+    answered = _counter(shared_gateway, "ckptfs_fuse_dir_attrs_answered_total") - answered_before
+    asked = _ops(shared_gateway, "getattr") - asked_before
+    if asked < 100:
+        pytest.skip(f"this kernel asked for attributes {asked:.0f} times in 200 creates (6.18: once each)")
+    # The directory's, once per create (the kernel's permission check before the next one); a
     # reply kept for 1 s could only be missed after a stall of over a second.
-    assert answered >= 100, answered
+    assert answered >= 100, (answered, asked)
