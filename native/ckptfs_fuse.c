@@ -391,7 +391,8 @@ static inline Session *session_of(fuse_req_t req) { return (Session *)fuse_req_u
  *    setxattr, removexattr) may store its attributes, and only while it runs; while any such
  *    request runs, GETATTR goes to Python;
  *  - when two of them overlap on one directory, nothing is kept until both have ended: the
- *    first one's attributes could miss the second one's change;
+ *    first one's attributes could miss the second one's change (a guard: the kernel holds a
+ *    directory's inode lock through each change in it, so they do not overlap today);
  *  - rmdir, and a rename that moved or replaced a directory, drop everything kept
  *    (ckptfs_fuse.forget_dir_attrs): the directory they removed or moved may be kept;
  *  - what is kept is answered for at most the attribute timeout it came with, counted from when

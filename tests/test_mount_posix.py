@@ -640,7 +640,8 @@ def test_a_directory_removed_or_replaced_right_after_a_change_in_it_shows_no_lin
 
 
 def test_concurrent_changes_of_one_directory_leave_it_showing_the_last_state(mnt):
-    """Changes that overlap in one directory: what stat shows right after them is what the
+    """Four threads changing one directory (the kernel runs the changes one at a time, with
+    their lookups and GETATTRs in between): what stat shows right after them is what the
     gateway shows once every cached attribute has timed out (the kernel's and the front end's
     keep a reply for at most 1 s)."""
     import threading
