@@ -150,11 +150,16 @@ def test_fsync_puts_data_and_size_on_the_cache_device(mnt, shared_gateway):
     assert p.read_bytes() == payload + b"more"
 
 
-def _ops(gw, op: str) -> float:
+def _counter(gw, series: str) -> float:
+    """The value of one series of the gateway's metrics (its name and labels), 0 if absent."""
     for line in gw.metrics().splitlines():
-        if line.startswith(f'ckptfs_fuse_requests_total{{op="{op}"}}'):
+        if line.startswith(series + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def _ops(gw, op: str) -> float:
+    return _counter(gw, f'ckptfs_fuse_requests_total{{op="{op}"}}')
 
 
 def test_small_writes_reach_the_gateway_in_large_requests(mnt, shared_gateway):
@@ -576,13 +581,6 @@ def test_namespace_is_consistent_after_all_of_it(mnt, shared_gateway):
 
 
 # -- a directory's attributes right after a change (the front end answers that GETATTR) --------
-
-def _counter(gw, name: str) -> float:
-    for line in gw.metrics().splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return 0.0
-
 
 def test_a_changed_directory_shows_what_each_change_left_at_once(mnt):
     a, b = mnt / "a", mnt / "b"
