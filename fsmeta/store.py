@@ -30,7 +30,8 @@ Rules this module enforces (why, briefly):
   transaction as a whole: what survives is always a prefix of the writes, in the
   order they were made. LMDB ties a write transaction to the thread that began it
   (the writer mutex), so only the committer thread begins and commits the batch;
-  writers and readers use it in turn under ``_batch_lock``.
+  writers and readers use it in turn under ``_batch_lock``. :meth:`MetaStore.write_soon`
+  queues a write nobody waits for; the next writer, or the committer, runs it in turn.
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ class _Committer(threading.Thread):
             if self.stopping:
                 raise RuntimeError("fsmeta is closed")
 
+    def want_batch(self) -> None:
+        """Ask for a batch without waiting for it."""
+        with self.cond:
+            if not self.open_wanted:
+                self.open_wanted = True
+                self.cond.notify_all()
+
     def wait_committed(self, seq: int) -> None:
         """Wait until every write up to ``seq`` is committed; raise the commit's error."""
         with self.cond:
@@ -148,6 +156,8 @@ class _Committer(threading.Thread):
                         self.cond.wait(due - now)
                     self.commit_wanted = False
                 with store._batch_lock:
+                    if store._soon:
+                        store._run_soon(raw)  # what write_soon queued and no write took
                     seq = store._write_seq
                     hooks, store._after_commit = store._after_commit, []
                     error = None
@@ -286,6 +296,7 @@ class MetaStore:
         self._write_seq = 0  # writes made into batches so far
         self._last_write = 0.0
         self._after_commit: list[Callable[[], None]] = []
+        self._soon: list = []  # write_soon's (fn, then) not run yet; under _batch_lock
         self.env.reader_check()
         self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
         self.dbs = {}
@@ -362,12 +373,69 @@ class MetaStore:
                 self.commit()  # no transaction may be live while the map grows
                 self._grow()
 
+    def write_soon(self, fn: Callable[[Txn], T], then: Callable[[T], None] | None = None) -> None:
+        """Run ``fn`` in a write transaction soon, and ``then(its result)`` after it; for a
+        write nobody waits for (the purge after a FORGET).
+
+        With deferred commits ``fn`` joins the batch: the next :meth:`write` of any thread runs
+        it first, or else the committer before it commits the batch (a batch is asked for now).
+        Either way it runs in turn with the other writes, not beside them, in a nested
+        transaction of its own: if it raises, it is logged and dropped, and nothing else is
+        lost. :meth:`commit` and :meth:`sync` run what is queued first. Without deferred
+        commits it runs now. ``then`` runs with ``_batch_lock`` held: it may use
+        :meth:`after_commit`, not transactions."""
+        if self._committer is None:
+            result = self.write(fn)
+            if then is not None:
+                then(result)
+            return
+        with self._batch_lock:  # the committer runs the queue and ends the batch in one turn
+            self._soon.append((fn, then))
+            if self._batch is not None:
+                return
+        self._committer.want_batch()
+
+    def _run_soon(self, batch: lmdb.Transaction) -> None:
+        """Run what :meth:`write_soon` queued, in nested transactions of ``batch``; with
+        ``_batch_lock`` held. A full map stops it: the rest stays queued until the map grew."""
+        queued, self._soon = self._soon, []
+        depth = self._batch_depth
+        depth.n = getattr(depth, "n", 0) + 1
+        try:
+            while queued:
+                fn, then = queued[0]
+                child = self.env.begin(write=True, parent=batch)
+                try:
+                    result = fn(Txn(child, self.dbs, write=True))
+                    child.commit()
+                except lmdb.MapFullError:
+                    return
+                except Exception:
+                    log.exception("fsmeta: a deferred write failed; it is dropped")
+                    queued.pop(0)
+                    continue
+                finally:
+                    child.abort()  # a no-op after commit
+                queued.pop(0)
+                self._write_seq += 1
+                if then is not None:
+                    try:
+                        then(result)
+                    except Exception:
+                        log.exception("fsmeta: the action after a deferred write failed")
+        finally:
+            depth.n -= 1
+            if queued:
+                self._soon[:0] = queued
+
     def _write_deferred(self, fn: Callable[[Txn], T]) -> T:
         lock, depth = self._batch_lock, self._batch_depth
         while True:
             with lock:
                 batch = self._batch
                 if batch is not None:
+                    if self._soon:
+                        self._run_soon(batch)
                     depth.n = getattr(depth, "n", 0) + 1
                     try:
                         child = self.env.begin(write=True, parent=batch)
@@ -402,6 +470,8 @@ class MetaStore:
             return
         if getattr(self._batch_depth, "n", 0):
             raise RuntimeError("fsmeta: commit() from inside a transaction would wait for itself")
+        if self._soon:
+            self.write(lambda txn: None)  # runs what write_soon queued, in the batch
         with self._batch_lock:
             seq = self._write_seq
         self._committer.wait_committed(seq)

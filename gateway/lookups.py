@@ -22,8 +22,12 @@ class LookupCounts:
             s.lookups[ino] = s.lookups.get(ino, 0) + n
 
     def forget(self, items: list[tuple[int, int]]) -> None:
+        """The kernel dropped references (FORGET). The inodes it no longer references are
+        purged soon (``MetaStore.write_soon``): by the gateway's next write or before the batch
+        commits, not in a write of their own beside the kernel's next request (a FORGET follows
+        every unlink, and nobody waits for it)."""
         for ino in self.drop(items):
-            self.purge_if_unlinked(ino)
+            self._state.meta.write_soon(self._purge_fn(ino), self._after_purge(ino))
 
     def drop(self, items: list[tuple[int, int]]) -> list[int]:
         """The kernel dropped references; returns the inodes it no longer references and no
@@ -48,6 +52,9 @@ class LookupCounts:
 
     def purge_if_unlinked(self, ino: int) -> None:
         """Drop an inode once it has no name, no kernel reference and no open handle."""
+        self._after_purge(ino)(self._state.meta.write(self._purge_fn(ino)))
+
+    def _purge_fn(self, ino: int):
         s = self._state
 
         def purge(txn: Txn) -> bool:
@@ -58,6 +65,10 @@ class LookupCounts:
                 return False
             txn.delete_inode(ino)
             return True
+        return purge
 
-        if s.meta.write(purge):
-            s.remove_data_after_commit(ino)
+    def _after_purge(self, ino: int):
+        def then(purged: bool) -> None:
+            if purged:
+                self._state.remove_data_after_commit(ino)
+        return then

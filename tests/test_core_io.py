@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import pytest
 
@@ -484,3 +485,24 @@ def test_with_deferred_commits_a_cache_file_is_removed_only_once_its_unlink_is_c
     assert os.path.exists(cache_file)
     core.meta.commit()
     assert not os.path.exists(cache_file)
+
+
+def test_with_deferred_commits_a_forgotten_unlinked_inode_is_purged_without_another_write(core_env):
+    """The purge after the kernel's last FORGET waits for no later operation: the committer
+    runs it (MetaStore.write_soon), and the cache file goes after that commit."""
+    core = core_env.core
+    core.meta.defer_commits(0.01)
+    fh, ino = new_file(core)
+    core.write(fh, 0, b"bytes")
+    core.release(fh)
+    core.unlink(ROOT, b"f")
+    core.meta.commit()
+    cache_file = core._data_path(ino)
+    assert os.path.exists(cache_file)  # the kernel still holds a reference
+    core.forget([(ino, 1)])
+    deadline = time.monotonic() + 10
+    while os.path.exists(cache_file):
+        assert time.monotonic() < deadline, "the forgotten inode was never purged"
+        time.sleep(0.005)
+    with core.meta.read_committed() as txn:
+        assert txn.get_inode(ino) is None

@@ -115,8 +115,12 @@ def get(store: MetaStore, key: bytes, committed: bool = False) -> bytes | None:
         return bytes(value) if value is not None else None
 
 
+def _put_fn(key: bytes, value: bytes):
+    return lambda txn: txn.raw.put(key, value, db=txn.dbs["meta"])
+
+
 def put(store: MetaStore, key: bytes, value: bytes) -> None:
-    store.write(lambda txn: txn.raw.put(key, value, db=txn.dbs["meta"]))
+    store.write(_put_fn(key, value))
 
 
 def read_in_other_process(path: str, key: bytes) -> bytes | None:
@@ -150,11 +154,14 @@ def test_deferred_writes_are_read_back_at_once_and_reach_other_processes_at_comm
     assert read_in_other_process(store.path, b"k") == b"1"
 
 
-def test_deferred_batch_commits_by_itself_within_the_interval(tmp_path):
+@pytest.mark.parametrize("how", ["write", "write_soon"])
+def test_deferred_batch_commits_by_itself_within_the_interval(tmp_path, how):
+    """A write is committed within the interval with nobody asking; so is a write queued
+    with write_soon and taken by no later write (the committer runs it before its commit)."""
     store = MetaStore(str(tmp_path / "meta"))
     try:
         store.defer_commits(0.01)
-        put(store, b"k", b"1")
+        getattr(store, how)(_put_fn(b"k", b"1"))
         deadline = time.monotonic() + 10
         while get(store, b"k", committed=True) is None:
             assert time.monotonic() < deadline, "the batch was never committed"
@@ -187,6 +194,57 @@ def test_after_commit_actions_run_once_the_writes_before_them_are_committed(stor
     assert seen == []
     store.commit()
     assert seen == [b"1"]
+
+
+def test_a_write_soon_runs_before_the_next_write_in_the_batch(store_committing_on_demand):
+    """A write nobody waits for (the purge after a FORGET) is queued, and the next write of
+    any thread runs it first, in the same batch."""
+    store = store_committing_on_demand
+    put(store, b"open", b"1")  # a batch is open: the queued write waits for a writer
+    after = []
+    store.write_soon(_put_fn(b"soon", b"1"), after.append)
+    assert get(store, b"soon") is None
+    assert after == []
+    store.write(lambda txn: after.append(txn.raw.get(b"soon", db=txn.dbs["meta"]) is not None))
+    assert after == [True, True]  # its result went to `then`, then the write saw it
+    assert get(store, b"soon", committed=True) is None  # still in the batch
+    store.commit()
+    assert read_in_other_process(store.path, b"soon") == b"1"
+
+
+def test_commit_runs_the_writes_queued_soon(store_committing_on_demand):
+    store = store_committing_on_demand
+    store.write_soon(_put_fn(b"soon", b"1"))
+    store.commit()
+    assert read_in_other_process(store.path, b"soon") == b"1"
+
+
+def test_a_write_soon_that_raises_is_dropped_alone(store_committing_on_demand, caplog):
+    store = store_committing_on_demand
+
+    def half_done(txn) -> None:
+        txn.raw.put(b"half", b"1", db=txn.dbs["meta"])
+        raise ValueError("abort")
+
+    put(store, b"open", b"1")
+    store.write_soon(half_done)
+    store.write_soon(_put_fn(b"next", b"1"))
+    put(store, b"after", b"1")
+    store.commit()
+    assert get(store, b"half", committed=True) is None
+    assert get(store, b"next", committed=True) == get(store, b"after", committed=True) == b"1"
+    assert "a deferred write failed" in caplog.text
+
+
+def test_a_write_soon_without_deferred_commits_runs_at_once(tmp_path):
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        after = []
+        store.write_soon(_put_fn(b"soon", b"1"), after.append)
+        assert after == [True]
+        assert get(store, b"soon", committed=True) == b"1"
+    finally:
+        store.close()
 
 
 def test_deferred_writes_grow_the_map(tmp_path):
