@@ -142,7 +142,10 @@ class Spares:
                 self._to_empty_bytes += allocated
                 self._to_empty.append(spare_path)
                 self.recycled += 1
-                self._cond.notify()
+                if len(self._to_empty) == 1:
+                    # the thread's next wake-up does not depend on how many more there are:
+                    # waking it for each would cost a thread switch per removed file
+                    self._cond.notify()
                 return True
         os.unlink(spare_path)  # closed meanwhile: nobody would take it
         return True
