@@ -482,6 +482,11 @@ class FsCore:
     def unlink(self, parent: int, name: bytes) -> None:
         self._namespace.unlink(parent, name)
 
+    def changed_dirs(self) -> list[Attr]:
+        """The attributes of the directories the calling thread's last namespace change
+        touched, as it left them."""
+        return [self._attr(inode) for inode in self._namespace.touched_dirs()]
+
     def rmdir(self, parent: int, name: bytes) -> None:
         self.remote.refresh_child(parent, name)  # a directory with unlisted objects is not empty
         self._namespace.rmdir(parent, name)
@@ -489,8 +494,8 @@ class FsCore:
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> bool:
         """True if a directory was moved, exchanged or replaced."""
         # The drain moves what fsmeta knows below a renamed directory: list all of it first.
-        self.remote.refresh_child(old_parent, old_name, subtree=True)
-        self.remote.refresh_child(new_parent, new_name, subtree=bool(flags & RENAME_EXCHANGE))
+        self.remote.refresh_children([(old_parent, old_name, True),
+                                      (new_parent, new_name, bool(flags & RENAME_EXCHANGE))])
         return self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
 
     # -- open files ----------------------------------------------------------------------

@@ -133,17 +133,18 @@ class CkptOperations:
             log.exception("entry timeout of directory %s failed; using %g s", parent, ENTRY_TIMEOUT_MIN)
             return ENTRY_TIMEOUT_MIN
 
-    def _changed(self, *dirs: int) -> None:
-        """After a change in ``dirs``: hand the front end their attributes as the change left
-        them. The kernel drops what it holds of a changed directory's attributes and asks again
-        at its next permission check there (``default_permissions``); the front end answers that
-        GETATTR itself (native/README.md, "Directory attributes after a change"). Never raises:
-        the change is done, and without the attributes the GETATTR comes here as before."""
-        for ino in dict.fromkeys(dirs):  # a rename within one directory names it twice
-            try:
-                remember_dir_attrs(_entry(self.core.getattr(ino)))
-            except Exception:
-                log.warning("attributes of changed directory %s not kept", ino, exc_info=True)
+    def _changed(self) -> None:
+        """After a namespace change: hand the front end the attributes of the directories it
+        touched, as the change left them (``FsCore.changed_dirs``, not read again). The kernel
+        drops what it holds of a changed directory's attributes and asks again at its next
+        permission check there (``default_permissions``); the front end answers that GETATTR
+        itself (native/README.md, "Directory attributes after a change"). Never raises: the
+        change is done, and without the attributes the GETATTR comes here as before."""
+        try:
+            for attr in self.core.changed_dirs():
+                remember_dir_attrs(_entry(attr))
+        except Exception:
+            log.warning("attributes of a changed directory not kept", exc_info=True)
 
     # -- names and attributes: replies are entries ------------------------------------------
 
@@ -180,19 +181,19 @@ class CkptOperations:
     @_answer("mknod")
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.mknod(parent, name, mode, rdev, Caller(uid, gid, umask, pid))
-        self._changed(parent)
+        self._changed()
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("mkdir")
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.mkdir(parent, name, mode, Caller(uid, gid, umask, pid))
-        self._changed(parent)
+        self._changed()
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("unlink")
     def unlink(self, parent: int, name: bytes) -> None:
         self.core.unlink(parent, name)
-        self._changed(parent)
+        self._changed()
 
     @_answer("rmdir")
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -201,7 +202,7 @@ class CkptOperations:
     @_answer("symlink")
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int, umask: int, pid: int) -> tuple:
         attr = self.core.symlink(parent, name, target, Caller(uid, gid, umask, pid))
-        self._changed(parent)
+        self._changed()
         return _entry(attr, self._entry_timeout(parent))
 
     @_answer("rename")
@@ -209,12 +210,12 @@ class CkptOperations:
         if self.core.rename(parent, name, new_parent, new_name, flags):
             forget_dir_attrs()  # a directory moved or went: what is kept of it is stale
         else:
-            self._changed(parent, new_parent)
+            self._changed()
 
     @_answer("link")
     def link(self, ino: int, new_parent: int, new_name: bytes) -> tuple:
         attr = self.core.link(ino, new_parent, new_name)
-        self._changed(new_parent)
+        self._changed()
         return _entry(attr, self._entry_timeout(new_parent))
 
     # -- files: open replies are (fh, backing_id, OPEN_* flags) --------------------------------
@@ -250,7 +251,7 @@ class CkptOperations:
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, umask: int,
                pid: int) -> tuple:
         fh, attr = self.core.create(parent, name, mode, flags, Caller(uid, gid, umask, pid))
-        self._changed(parent)
+        self._changed()
         return (*self._opened(fh), _entry(attr, self._entry_timeout(parent)))  # (fh, bid, flags, entry)
 
     @_answer("read")

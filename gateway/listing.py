@@ -218,13 +218,24 @@ class RemoteNames:
     def refresh_child(self, parent: int, name: bytes, *, subtree: bool = False) -> None:
         """List the directory ``parent/name`` (and, with ``subtree``, every directory below it)
         before an operation that must see all of it (rmdir: empty? rename: every object moves)."""
+        self.refresh_children([(parent, name, subtree)])
+
+    def refresh_children(self, names: list[tuple[int, bytes, bool]]) -> None:
+        """:meth:`refresh_child` of each ``(parent, name, subtree)``, the names read in one
+        transaction (a rename names two; most are files, which need nothing listed)."""
         if not self.enabled:
             return
+        found = []
         with self._state.meta.read() as txn:
-            ino = txn.lookup(parent, name)
-            inode = txn.get_inode(ino) if ino is not None else None
-        if inode is None or not inode.is_dir:
-            return
+            for parent, name, subtree in names:
+                ino = txn.lookup(parent, name)
+                inode = txn.get_inode(ino) if ino is not None else None
+                if inode is not None and inode.is_dir:
+                    found.append((ino, subtree))
+        for ino, subtree in found:
+            self._refresh_dir(ino, subtree)
+
+    def _refresh_dir(self, ino: int, subtree: bool) -> None:
         todo = [ino]
         while todo:
             dir_ino = todo.pop()

@@ -29,9 +29,12 @@ def check_name(name: bytes) -> None:
         raise FsError(errno.EINVAL, f"names starting with {RESERVED!r} are reserved by the file:// bucket")
 
 
-def rel_key(txn: Txn, parent: int, name: bytes) -> str:
-    """The bucket key of a name, relative to the key prefix."""
-    base = txn.path_of(parent) or b""
+def rel_key(txn: Txn, parent: int, name: bytes, *, base: bytes | None = None) -> str:
+    """The bucket key of a name, relative to the key prefix (``base``: the parent's
+    ``path_of``, if the caller has it)."""
+    if base is None:
+        base = txn.path_of(parent)
+    base = base or b""
     return (base + b"/" + name if base else name).decode("utf-8", "surrogateescape")
 
 
@@ -54,9 +57,12 @@ class BucketKeys:
     def key_length(self, rel_path: bytes) -> int:
         return len(self.key_prefix.encode()) + (1 if self.key_prefix else 0) + len(rel_path)
 
-    def check(self, txn: Txn, parent: int, name: bytes, *, is_dir: bool, subtree_extra: int = 0) -> None:
-        """Refuse a name whose bucket key would exceed S3's 1024-byte limit."""
-        base = txn.path_of(parent)
+    def check(self, txn: Txn, parent: int, name: bytes, *, is_dir: bool, subtree_extra: int = 0,
+              base: bytes | None = None) -> None:
+        """Refuse a name whose bucket key would exceed S3's 1024-byte limit (``base``: the
+        parent's ``path_of``, if the caller has it)."""
+        if base is None:
+            base = txn.path_of(parent)
         if base is None:
             raise FsError(errno.ENOENT, "parent directory was removed")
         rel = base + b"/" + name if base else name

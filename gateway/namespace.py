@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,17 @@ class Namespace:
         self._state = state
         self._keys = keys
         self._lookups = lookups
+        # The directories the calling thread's last change touched, as it left them.
+        self._touched = threading.local()
+
+    def touched_dirs(self) -> list[Inode]:
+        """The directories the calling thread's last namespace change (create, mkdir, link,
+        unlink, rmdir, rename, ...) touched, as that change left them: what the FUSE layer
+        hands the front end, without reading them again."""
+        return list(getattr(self._touched, "dirs", {}).values())
+
+    def _begin_change(self) -> None:
+        self._touched.dirs = {}
 
     def _new_inode(self, txn: Txn, parent: Inode, mode: int, caller: Caller, now: int) -> Inode:
         gid = caller.gid
@@ -53,8 +65,11 @@ class Namespace:
         )
 
     def _touch_dir(self, txn: Txn, inode: Inode, now: int) -> None:
+        """The directory's entries changed; it is stored as it now is (the change's last word
+        on it: callers change its link count first)."""
         inode.mtime_ns = inode.ctime_ns = now
         txn.put_inode(inode)
+        self._touched.dirs[inode.ino] = inode  # (a re-run of the transaction replaces it)
 
     def _create_node(self, parent: int, name: bytes, mode: int, caller: Caller, *,
                      target: bytes = b"", rdev: int = 0, then: Callable[[Txn, Inode], None] | None = None) -> Inode:
@@ -90,6 +105,7 @@ class Namespace:
                 then(txn, inode)
             return inode
 
+        self._begin_change()
         inode = self._state.meta.write(create)
         self._lookups.count(inode.ino)
         return inode
@@ -174,6 +190,7 @@ class Namespace:
             self._touch_dir(txn, parent_inode, now)
             return inode
 
+        self._begin_change()
         inode = self._state.meta.write(link)
         self._lookups.count(ino)
         return inode
@@ -213,6 +230,7 @@ class Namespace:
                 durability.mark_moved(txn, parent, now)  # now needs its marker object
             return ino
 
+        self._begin_change()
         ino = self._state.meta.write(unlink)
         self._lookups.maybe_purge(ino)
 
@@ -243,6 +261,7 @@ class Namespace:
                 durability.mark_moved(txn, parent, now)
             return ino
 
+        self._begin_change()
         ino = self._state.meta.write(rmdir)
         self._lookups.maybe_purge(ino)
 
@@ -293,13 +312,15 @@ class Namespace:
             if target is not None and target.is_dir and txn.is_ancestor(target.ino, old_parent):
                 raise FsError(errno.ENOTEMPTY)
             extra = longest_below(txn, ino) if inode.is_dir else 0
-            self._keys.check(txn, new_parent, new_name, is_dir=inode.is_dir, subtree_extra=extra)
+            old_base = txn.path_of(old_parent)
+            new_base = old_base if new_parent == old_parent else txn.path_of(new_parent)
+            self._keys.check(txn, new_parent, new_name, is_dir=inode.is_dir, subtree_extra=extra, base=new_base)
 
-            old_key = rel_key(txn, old_parent, old_name)
+            old_key = rel_key(txn, old_parent, old_name, base=old_base)
             if target is not None:
                 txn.remove_entry(new_parent, new_name)
                 if target.is_dir:
-                    durability.drop_dir_markers(txn, target.ino, rel_key(txn, new_parent, new_name) + "/", now)
+                    durability.drop_dir_markers(txn, target.ino, rel_key(txn, new_parent, new_name, base=new_base) + "/", now)
                     target.nlink = 0
                     target.ctime_ns = now
                     txn.clear_pending(target.ino)
@@ -328,6 +349,7 @@ class Namespace:
             if old_dir.ino != ROOT_INO and txn.dir_is_empty(old_dir.ino):
                 durability.mark_moved(txn, old_dir.ino, now)
 
+        self._begin_change()
         self._state.meta.write(rename)
         for victim in victim_box:
             self._lookups.maybe_purge(victim)
