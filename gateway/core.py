@@ -40,7 +40,7 @@ from .files import Handle, OpenFile, OpenFiles
 from .listing import DEFAULT_REMOTE_TTL, RemoteNames
 from .lookups import LookupCounts
 from .names import NAME_MAX, S3_KEY_MAX, BucketKeys  # noqa: F401  (importable from here)
-from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, Namespace  # noqa: F401
+from .namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ListDirectoriesFirst, Namespace  # noqa: F401
 from .spares import RECYCLED_MAX, SPARES_TARGET, Spares
 from .space import CacheSpace, SpaceLimits
 from .state import CoreState, EvictedMeanwhile, need_dir, need_inode
@@ -493,10 +493,15 @@ class FsCore:
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> bool:
         """True if a directory was moved, exchanged or replaced."""
-        # The drain moves what fsmeta knows below a renamed directory: list all of it first.
-        self.remote.refresh_children([(old_parent, old_name, True),
-                                      (new_parent, new_name, bool(flags & RENAME_EXCHANGE))])
-        return self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
+        # The drain moves what fsmeta knows below a renamed directory: list all of it first. A
+        # file (the usual case) needs nothing listed, which the rename's transaction finds out.
+        try:
+            return self._namespace.rename(old_parent, old_name, new_parent, new_name, flags,
+                                          dirs_listed=not self.remote.enabled)
+        except ListDirectoriesFirst:
+            self.remote.refresh_children([(old_parent, old_name, True),
+                                          (new_parent, new_name, bool(flags & RENAME_EXCHANGE))])
+            return self._namespace.rename(old_parent, old_name, new_parent, new_name, flags)
 
     # -- open files ----------------------------------------------------------------------
 

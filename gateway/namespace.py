@@ -27,6 +27,11 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 
+class ListDirectoriesFirst(Exception):
+    """A rename names a directory: its bucket listing must be merged before the transaction
+    (``RemoteNames.refresh_children``), which then runs again."""
+
+
 class Namespace:
     def __init__(self, state: CoreState, keys: BucketKeys, lookups: LookupCounts):
         self._state = state
@@ -267,8 +272,11 @@ class Namespace:
 
     # -- rename ------------------------------------------------------------------------
 
-    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> bool:
-        """True if a directory was one of the two inodes (moved, exchanged or replaced)."""
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0,
+               *, dirs_listed: bool = True) -> bool:
+        """True if a directory was one of the two inodes (moved, exchanged or replaced).
+        ``dirs_listed=False``: raise :class:`ListDirectoriesFirst`, having changed nothing, if
+        either name is a directory."""
         check_name(new_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (
             flags & RENAME_NOREPLACE and flags & RENAME_EXCHANGE
@@ -289,6 +297,8 @@ class Namespace:
             target_ino = txn.lookup(new_parent, new_name)
             target = txn.get_inode(target_ino) if target_ino is not None else None
             dirs_box[0] = inode.is_dir or (target is not None and target.is_dir)
+            if dirs_box[0] and not dirs_listed:
+                raise ListDirectoriesFirst
 
             if flags & RENAME_EXCHANGE:
                 if target is None:
@@ -346,7 +356,8 @@ class Namespace:
             self._touch_dir(txn, old_dir, now)
             if new_dir is not old_dir:
                 self._touch_dir(txn, new_dir, now)
-            if old_dir.ino != ROOT_INO and txn.dir_is_empty(old_dir.ino):
+            # (a name left it: empty now? Not if the name stayed in it)
+            if old_dir is not new_dir and old_dir.ino != ROOT_INO and txn.dir_is_empty(old_dir.ino):
                 durability.mark_moved(txn, old_dir.ino, now)
 
         self._begin_change()
