@@ -56,6 +56,11 @@ DEFAULT_MAP_SIZE = 1 << 30  # grows on demand; address space only, not disk
 MAX_MAP_SIZE = 1 << 40
 READER_CHECK_SECONDS = 30.0
 BATCH_IDLE_SECONDS = 0.002  # a batch with no write for this long is committed early
+# write_soon's queued writes that one write runs before its own, and the committer before a
+# commit: a burst of them (the FORGETs of a dropped dentry cache) delays no single request for
+# long, and the rest wait for the next turn (the committer asks for another batch).
+SOON_PER_WRITE = 64
+SOON_PER_COMMIT = 512
 
 
 class _Committer(threading.Thread):
@@ -157,7 +162,8 @@ class _Committer(threading.Thread):
                     self.commit_wanted = False
                 with store._batch_lock:
                     if store._soon:
-                        store._run_soon(raw)  # what write_soon queued and no write took
+                        store._run_soon(raw, SOON_PER_COMMIT)  # what write_soon queued and no write took
+                    more_soon = bool(store._soon)
                     seq = store._write_seq
                     hooks, store._after_commit = store._after_commit, []
                     error = None
@@ -180,6 +186,8 @@ class _Committer(threading.Thread):
             with self.cond:
                 self.committed_seq = seq
                 self.error = self.error or error
+                if more_soon and error is None:
+                    self.open_wanted = True  # the next batch runs the rest
                 self.cond.notify_all()
 
 
@@ -395,10 +403,11 @@ class MetaStore:
                 return
         self._committer.want_batch()
 
-    def _run_soon(self, batch: lmdb.Transaction) -> None:
-        """Run what :meth:`write_soon` queued, in nested transactions of ``batch``; with
-        ``_batch_lock`` held. A full map stops it: the rest stays queued until the map grew."""
-        queued, self._soon = self._soon, []
+    def _run_soon(self, batch: lmdb.Transaction, limit: int) -> None:
+        """Run the first ``limit`` of what :meth:`write_soon` queued, in nested transactions of
+        ``batch``; with ``_batch_lock`` held. A full map stops it: the rest stays queued until
+        the map grew."""
+        queued, self._soon = self._soon[:limit], self._soon[limit:]
         depth = self._batch_depth
         depth.n = getattr(depth, "n", 0) + 1
         try:
@@ -428,14 +437,14 @@ class MetaStore:
             if queued:
                 self._soon[:0] = queued
 
-    def _write_deferred(self, fn: Callable[[Txn], T]) -> T:
+    def _write_deferred(self, fn: Callable[[Txn], T], soon_limit: int | None = None) -> T:
         lock, depth = self._batch_lock, self._batch_depth
         while True:
             with lock:
                 batch = self._batch
                 if batch is not None:
                     if self._soon:
-                        self._run_soon(batch)
+                        self._run_soon(batch, SOON_PER_WRITE if soon_limit is None else soon_limit)
                     depth.n = getattr(depth, "n", 0) + 1
                     try:
                         child = self.env.begin(write=True, parent=batch)
@@ -470,8 +479,8 @@ class MetaStore:
             return
         if getattr(self._batch_depth, "n", 0):
             raise RuntimeError("fsmeta: commit() from inside a transaction would wait for itself")
-        if self._soon:
-            self.write(lambda txn: None)  # runs what write_soon queued, in the batch
+        if self._soon:  # what write_soon queued so far, in the batch
+            self._write_deferred(lambda txn: None, soon_limit=len(self._soon))
         with self._batch_lock:
             seq = self._write_seq
         self._committer.wait_committed(seq)

@@ -212,6 +212,36 @@ def test_a_write_soon_runs_before_the_next_write_in_the_batch(store_committing_o
     assert read_in_other_process(store.path, b"soon") == b"1"
 
 
+def test_a_burst_of_writes_queued_soon_is_spread_over_later_writes(store_committing_on_demand, monkeypatch):
+    """One write runs a bounded share of the queue before its own (a burst of FORGETs delays
+    no single request for long); commit() runs all of it."""
+    monkeypatch.setattr(store_module, "SOON_PER_WRITE", 2)
+    store = store_committing_on_demand
+    put(store, b"open", b"1")
+    for i in range(5):
+        store.write_soon(_put_fn(b"soon%d" % i, b"1"))
+    put(store, b"next", b"1")
+    assert [get(store, b"soon%d" % i) for i in range(5)] == [b"1", b"1", None, None, None]
+    store.commit()
+    assert [get(store, b"soon%d" % i, committed=True) for i in range(5)] == [b"1"] * 5
+
+
+def test_the_committer_runs_a_long_queue_over_several_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module, "SOON_PER_COMMIT", 2)
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        store.defer_commits(0.01)
+        for i in range(7):
+            store.write_soon(_put_fn(b"soon%d" % i, b"1"))
+        deadline = time.monotonic() + 10
+        while get(store, b"soon6", committed=True) is None:
+            assert time.monotonic() < deadline, "the queue was never run to its end"
+            time.sleep(0.005)
+        assert all(get(store, b"soon%d" % i, committed=True) == b"1" for i in range(7))
+    finally:
+        store.close()
+
+
 def test_commit_runs_the_writes_queued_soon(store_committing_on_demand):
     store = store_committing_on_demand
     store.write_soon(_put_fn(b"soon", b"1"))
