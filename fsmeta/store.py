@@ -161,8 +161,8 @@ class _Committer(threading.Thread):
                         self.cond.wait(due - now)
                     self.commit_wanted = False
                 with store._batch_lock:
-                    if store._soon:
-                        store._run_soon(raw, SOON_PER_COMMIT)  # what write_soon queued and no write took
+                    # what write_soon queued and no write took
+                    map_full = bool(store._soon) and store._run_soon(raw, SOON_PER_COMMIT)
                     more_soon = bool(store._soon)
                     seq = store._write_seq
                     hooks, store._after_commit = store._after_commit, []
@@ -176,6 +176,8 @@ class _Committer(threading.Thread):
                 # Later writes would build on a state that no longer exists: refuse them
                 # (EIO) until a restart recovers from what was committed.
                 log.error("%s; its writes are lost, fsmeta refuses writes until restarted", error)
+            elif map_full:
+                store._grow()  # no write of its own may come to grow it for the queued ones
             else:
                 store._grow_if_nearly_full()
             for hook in hooks if error is None else ():
@@ -403,39 +405,39 @@ class MetaStore:
                 return
         self._committer.want_batch()
 
-    def _run_soon(self, batch: lmdb.Transaction, limit: int) -> None:
+    def _run_soon(self, batch: lmdb.Transaction, limit: int) -> bool:
         """Run the first ``limit`` of what :meth:`write_soon` queued, in nested transactions of
-        ``batch``; with ``_batch_lock`` held. A full map stops it: the rest stays queued until
-        the map grew."""
+        ``batch``; with ``_batch_lock`` held. True if it stopped at a full map: the rest stays
+        queued, for after the map grew."""
         queued, self._soon = self._soon[:limit], self._soon[limit:]
+        done = 0
         depth = self._batch_depth
         depth.n = getattr(depth, "n", 0) + 1
         try:
-            while queued:
-                fn, then = queued[0]
+            for fn, then in queued:
                 child = self.env.begin(write=True, parent=batch)
                 try:
                     result = fn(Txn(child, self.dbs, write=True))
                     child.commit()
                 except lmdb.MapFullError:
-                    return
+                    return True
                 except Exception:
                     log.exception("fsmeta: a deferred write failed; it is dropped")
-                    queued.pop(0)
+                    done += 1
                     continue
                 finally:
                     child.abort()  # a no-op after commit
-                queued.pop(0)
+                done += 1
                 self._write_seq += 1
                 if then is not None:
                     try:
                         then(result)
                     except Exception:
                         log.exception("fsmeta: the action after a deferred write failed")
+            return False
         finally:
             depth.n -= 1
-            if queued:
-                self._soon[:0] = queued
+            self._soon[:0] = queued[done:]
 
     def _write_deferred(self, fn: Callable[[Txn], T], soon_limit: int | None = None) -> T:
         lock, depth = self._batch_lock, self._batch_depth

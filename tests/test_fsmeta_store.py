@@ -242,6 +242,21 @@ def test_the_committer_runs_a_long_queue_over_several_batches(tmp_path, monkeypa
         store.close()
 
 
+def test_a_write_soon_that_finds_the_map_full_runs_once_the_committer_grew_it(tmp_path):
+    """No later write grows the map for it: the committer does, and runs it in the next batch."""
+    store = MetaStore(str(tmp_path / "meta"), map_size=1 << 20)
+    try:
+        store.defer_commits(0.01)
+        store.write_soon(lambda txn: txn.raw.put(b"blob", os.urandom(4 << 20), db=txn.dbs["meta"]))
+        deadline = time.monotonic() + 10
+        while get(store, b"blob", committed=True) is None:
+            assert time.monotonic() < deadline, "the queued write never ran"
+            time.sleep(0.005)
+        assert store.env.info()["map_size"] > 1 << 20
+    finally:
+        store.close()
+
+
 def test_commit_runs_the_writes_queued_soon(store_committing_on_demand):
     store = store_committing_on_demand
     store.write_soon(_put_fn(b"soon", b"1"))
