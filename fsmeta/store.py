@@ -169,6 +169,7 @@ class _Committer(threading.Thread):
                     error = None
                     try:
                         raw.commit()
+                        store.commits += 1
                     except lmdb.Error as exc:  # the writes of this batch are lost
                         error = OSError(errno.EIO, f"fsmeta: a deferred commit failed: {exc}")
                     store._batch = None
@@ -279,6 +280,23 @@ class _Reading:
         return self.plain.__exit__(*exc)
 
 
+class _GroupedWrite:
+    """One write of a group commit: its function, and once done, its result or error."""
+
+    __slots__ = ("fn", "result", "error", "done")
+
+    def __init__(self, fn: Callable[[Txn], T]):
+        self.fn = fn
+        self.result = None
+        self.error: BaseException | None = None
+        self.done = False
+
+    def outcome(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class MetaStore:
     def __init__(self, path: str, *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True):
         self.path = path
@@ -307,6 +325,12 @@ class MetaStore:
         self._last_write = 0.0
         self._after_commit: list[Callable[[], None]] = []
         self._soon: list = []  # write_soon's (fn, then) not run yet; under _batch_lock
+        # Group commits (_write_grouped): writes waiting for the next commit, and whether a
+        # thread is committing a group now.
+        self._group_cond = threading.Condition()
+        self._group_queue: list[_GroupedWrite] = []
+        self._group_leading = False
+        self.commits = 0  # LMDB commits of writes made so far (for tests and probes)
         self.env.reader_check()
         self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
         self.dbs = {}
@@ -371,17 +395,72 @@ class MetaStore:
         if time.monotonic() >= self._next_reader_check:
             self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
             self.env.reader_check()
+        if self._committer is None:
+            return self._write_grouped(fn)
         while True:
             try:
-                if self._committer is not None:
-                    return self._write_deferred(fn)
-                with self._txn(write=True) as raw:
-                    result = fn(Txn(raw, self.dbs, write=True))
-                    raw.commit()
-                    return result
+                return self._write_deferred(fn)
             except lmdb.MapFullError:
                 self.commit()  # no transaction may be live while the map grows
                 self._grow()
+
+    def _write_grouped(self, fn: Callable[[Txn], T]) -> T:
+        """:meth:`write` without deferred commits (the drain, the CLI): a group commit. The
+        writes that threads make while one commit is on its way join the next: one thread,
+        once it holds LMDB's writer lock, runs every write queued by then, each in a nested
+        transaction of its own, and commits them together. Each caller still returns only
+        once its write is committed (or raises what its ``fn`` raised, alone): the same
+        promise as a commit per write, for one fdatasync, and one turn of the writer lock,
+        per group instead of per write."""
+        mine = _GroupedWrite(fn)
+        with self._group_cond:
+            self._group_queue.append(mine)
+            while self._group_leading and not mine.done:
+                self._group_cond.wait()
+            if mine.done:
+                return mine.outcome()
+            self._group_leading = True
+        try:
+            self._commit_group()
+        finally:
+            with self._group_cond:
+                self._group_leading = False
+                self._group_cond.notify_all()
+        return mine.outcome()
+
+    def _commit_group(self) -> None:
+        """Commit the queued writes as one transaction (the leader of a group commit)."""
+        group: list[_GroupedWrite] = []
+        while True:
+            try:
+                with self._txn(write=True) as raw:
+                    with self._group_cond:  # what was queued while the writer lock was awaited
+                        group += self._group_queue
+                        self._group_queue = []
+                    for write in group:
+                        child = self.env.begin(write=True, parent=raw)
+                        try:
+                            write.result = write.fn(Txn(child, self.dbs, write=True))
+                            write.error = None
+                            child.commit()
+                        except lmdb.MapFullError:
+                            raise
+                        except Exception as exc:  # its caller's error alone
+                            write.error = exc
+                        finally:
+                            child.abort()  # a no-op after commit
+                    raw.commit()
+                    self.commits += 1
+                break
+            except lmdb.MapFullError:
+                self._grow()  # then every write of the group runs again
+            except BaseException as exc:  # the commit failed: none of them is stored
+                for write in group:
+                    write.error = exc
+                break
+        with self._group_cond:
+            for write in group:
+                write.done = True
 
     def write_soon(self, fn: Callable[[Txn], T], then: Callable[[T], None] | None = None) -> None:
         """Run ``fn`` in a write transaction soon, and ``then(its result)`` after it; for a

@@ -305,6 +305,104 @@ def test_deferred_writes_grow_the_map(tmp_path):
         store.close()
 
 
+def _wait_queued(store: MetaStore, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(store._group_queue) < n:
+        assert time.monotonic() < deadline, "the writes never queued"
+        time.sleep(0.001)
+
+
+def _writes_behind_a_slow_one(store: MetaStore, fns: list) -> tuple[list, list]:
+    """The first write holds the writer lock, in its function, until the others (``fns``,
+    from threads of their own) are waiting; returns their results and errors by index."""
+    in_first, release = threading.Event(), threading.Event()
+
+    def slow(txn) -> None:
+        in_first.set()
+        release.wait(10)
+        txn.raw.put(b"first", b"1", db=txn.dbs["meta"])
+
+    results, errors = [None] * len(fns), [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = store.write(fns[i])
+            results[i] = (results[i], get(store, b"k%d" % i, committed=True))  # once write returned
+        except Exception as exc:
+            errors[i] = exc
+
+    first = threading.Thread(target=store.write, args=(slow,))
+    first.start()
+    assert in_first.wait(10)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    _wait_queued(store, len(fns))
+    release.set()
+    for t in [first, *threads]:
+        t.join(10)
+        assert not t.is_alive()
+    return results, errors
+
+
+def _numbered_put(i: int):
+    def fn(txn) -> int:
+        txn.raw.put(b"k%d" % i, b"%d" % i, db=txn.dbs["meta"])
+        return i
+    return fn
+
+
+def test_writes_from_threads_that_wait_for_a_commit_share_the_next_one(tmp_path):
+    """Without deferred commits (the drain) a write returns once it is committed; the writes
+    that wait meanwhile are committed together, in one transaction and one fdatasync, and
+    each caller gets its own result."""
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        before = store.commits
+        results, errors = _writes_behind_a_slow_one(store, [_numbered_put(i) for i in range(6)])
+        assert errors == [None] * 6
+        assert results == [(i, b"%d" % i) for i in range(6)]  # committed when write returned
+        assert store.commits - before == 2  # the slow write's, then one for the six
+        assert get(store, b"first", committed=True) == b"1"
+    finally:
+        store.close()
+
+
+def test_a_write_that_raises_in_a_group_commit_fails_alone(tmp_path):
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        def half_done(txn) -> None:
+            txn.raw.put(b"k1", b"half", db=txn.dbs["meta"])
+            raise ValueError("abort")
+
+        results, errors = _writes_behind_a_slow_one(store, [_numbered_put(0), half_done, _numbered_put(2)])
+        assert isinstance(errors[1], ValueError)
+        assert errors[0] is None and errors[2] is None
+        assert results[0] == (0, b"0") and results[2] == (2, b"2")
+        assert get(store, b"k1", committed=True) is None  # nothing of it is left
+    finally:
+        store.close()
+
+
+def test_a_group_commit_that_fills_the_map_grows_it_and_stores_every_write(tmp_path):
+    store = MetaStore(str(tmp_path / "meta"), map_size=1 << 20)
+    try:
+        def blob(i: int):
+            def fn(txn) -> int:
+                txn.raw.put(b"k%d" % i, b"%d" % i, db=txn.dbs["meta"])
+                txn.raw.put(b"blob%d" % i, os.urandom(300 << 10), db=txn.dbs["meta"])
+                return i
+            return fn
+
+        results, errors = _writes_behind_a_slow_one(store, [blob(i) for i in range(6)])
+        assert errors == [None] * 6
+        assert [r[0] for r in results] == list(range(6))
+        assert store.env.info()["map_size"] > 1 << 20
+        assert all(len(get(store, b"blob%d" % i, committed=True)) == 300 << 10 for i in range(6))
+    finally:
+        store.close()
+
+
 WRITER = r'''
 import sys, time
 from ckptfs.fsmeta import MetaStore
