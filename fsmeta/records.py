@@ -138,14 +138,39 @@ class RemoteRecord(_JsonRecord):
     link_etags: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class PendingRecord(_JsonRecord):
-    """Why the bucket does not match an inode yet. ``since_ns`` orders the queue."""
+#: Why an inode is pending, as a byte in :class:`PendingRecord`'s encoding (the index).
+PENDING_REASONS = ("data", "rename", "meta")
+_PENDING_REASON_CODES = {reason: code for code, reason in enumerate(PENDING_REASONS)}
+_PENDING_V1 = 1
+_PENDING = struct.Struct("<BqqBB")  # format 1, since_ns, changed_ns, reason, urgent
+
+
+@dataclass(slots=True)
+class PendingRecord:
+    """Why the bucket does not match an inode yet. ``since_ns`` orders the queue.
+
+    Stored as 19 bytes (``_PENDING``): most namespace operations read and rewrite one, and
+    JSON cost them about 10% of a create's CPU. A record that starts with ``{`` is the JSON
+    an earlier version wrote, and is read as such."""
 
     since_ns: int  # when it became pending (first change); oldest first
     changed_ns: int  # last change (write close, rename); settle window counts from here
     reason: str = "data"  # data | rename | meta
     urgent: bool = False  # fsync=remote is waiting: upload even with a writer open
+
+    def to_bytes(self) -> bytes:
+        return _PENDING.pack(_PENDING_V1, self.since_ns, self.changed_ns,
+                             _PENDING_REASON_CODES[self.reason], self.urgent)
+
+    @classmethod
+    def from_bytes(cls, raw) -> "PendingRecord":
+        raw = bytes(raw)
+        if raw[:1] == b"{":
+            return cls(**json.loads(raw))
+        fmt, since_ns, changed_ns, reason, urgent = _PENDING.unpack(raw)
+        if fmt != _PENDING_V1:
+            raise ValueError(f"pending record of unknown format {fmt}")
+        return cls(since_ns, changed_ns, PENDING_REASONS[reason], bool(urgent))
 
 
 @dataclass(frozen=True, slots=True)

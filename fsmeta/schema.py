@@ -43,8 +43,10 @@ database      key                             value
 ``remote_keys`` key bytes                     ino: reverse index of ``remote`` (an object
                                               that is some inode's content is never
                                               deleted by a tombstone)
-``pending``   ino                             JSON :class:`ckptfs.fsmeta.records.PendingRecord`:
-                                              the bucket does not match this inode yet
+``pending``   ino                             :class:`ckptfs.fsmeta.records.PendingRecord`
+                                              (19 bytes, struct; JSON from earlier versions
+                                              is read too): the bucket does not match this
+                                              inode yet
                                               (new/changed data, renamed, dir marker);
                                               the drain's work queue
 ``writers``   ino                             u32: handles the gateway holds open for

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from ckptfs.fsmeta import ROOT_INO, FileState, Inode, MetaStore, RemoteRecord, durability
+from ckptfs.fsmeta import ROOT_INO, FileState, Inode, MetaStore, RemoteRecord, durability, schema
 
 
 @pytest.fixture
@@ -150,3 +150,21 @@ def test_the_read_path_states_remote_cached_clean_and_evicted(meta):
     write(meta, ino, 700)
     meta.write(lambda txn: durability.mark_evicted(txn, txn.get_inode(ino)))
     assert inode_of(meta, ino).state == FileState.DIRTY
+
+
+def test_a_queue_written_by_an_earlier_version_is_read_and_kept(meta):
+    """fsmeta of an earlier version holds pending records as JSON: after an upgrade the drain
+    still finds them, and the next change keeps when the file became pending."""
+    ino = new_file(meta)
+    key = schema.ino_key(ino)
+    meta.write(lambda txn: txn.raw.put(
+        key, b'{"since_ns":100,"changed_ns":150,"reason":"rename","urgent":false}', db=txn.dbs["pending"]))
+    with meta.read() as txn:
+        (found, rec), = list(txn.iter_pending())
+    assert (found, rec.since_ns, rec.changed_ns, rec.reason, rec.urgent) == (ino, 100, 150, "rename", False)
+    meta.write(lambda txn: durability.mark_written(txn, ino, 300))
+    with meta.read() as txn:
+        rec = txn.get_pending(ino)
+        stored = bytes(txn.raw.get(key, db=txn.dbs["pending"]))
+    assert (rec.since_ns, rec.changed_ns, rec.reason) == (100, 300, "data")
+    assert not stored.startswith(b"{")  # rewritten in the current encoding
