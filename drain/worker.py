@@ -178,6 +178,9 @@ class Drain:
         self.part_size = int(settings.part_size)
         self.concurrency = int(settings.concurrency)
         self.busy: set[int] = set()
+        # Set when a reconcile ends: the loop starts the next ready file at once, not at its
+        # next poll (small files would drain at most concurrency / POLL_SECONDS per second).
+        self.slot_freed = trio.Event()
         self.busy_keys: set[str] = set()
         self.deleting_keys: set[str] = set()
         self.retry_after: dict[int, float] = {}  # ino -> monotonic time of next attempt
@@ -295,7 +298,7 @@ class Drain:
                 if time.monotonic() < next_scan:
                     # Between scans, slots that free up take what the last scan found ready.
                     ready = self._start_ready(nursery, ready)
-                    await trio.sleep(POLL_SECONDS)
+                    await self._poll_wait(bool(ready))
                     continue
                 (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
                     await self._read(self._timed_scan)
@@ -329,9 +332,18 @@ class Drain:
                     nursery.start_soon(self._tombstone_task, tombstones)
                 if self.prehashing is None and self.settle_ns > 0:
                     self._start_prehash(nursery, candidates, eligible, now)
-                await trio.sleep(POLL_SECONDS)
+                await self._poll_wait(bool(ready))
             nursery.cancel_scope.cancel()
         await self._publish_status()
+
+    async def _poll_wait(self, waiting_for_a_slot: bool) -> None:
+        """Until the next poll; or, while ready files wait for a slot, until one frees up."""
+        if waiting_for_a_slot:
+            with trio.move_on_after(POLL_SECONDS):
+                await self.slot_freed.wait()
+        else:
+            await trio.sleep(POLL_SECONDS)
+        self.slot_freed = trio.Event()
 
     @staticmethod
     def _scan_interval(scan_cpu: float) -> float:
@@ -458,6 +470,7 @@ class Drain:
         finally:
             self.busy.discard(cand.ino)
             self.stats.in_flight.pop(cand.ino, None)
+            self.slot_freed.set()
 
     def _requeue(self, ino: int, backoff: Backoff) -> None:
         """Try ``ino`` again later, waiting longer after each consecutive requeue."""

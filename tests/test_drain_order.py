@@ -231,3 +231,26 @@ def test_a_long_queue_is_scanned_less_often_and_still_drains_markers_last(denv, 
     assert sorted(denv.listing()) == sorted([*shards, marker])
     assert denv.pending() == {}
     assert len(scans) < len(shards) / 2, f"{len(scans)} scans for {len(shards)} files: every start waited for a scan"
+
+
+def test_a_freed_slot_takes_the_next_ready_file_at_once(denv, monkeypatch):
+    # Small files drain as fast as slots free up, not a slot's worth per poll: with one slot
+    # and polls 10 s apart, the files the first scan found ready start one after another as
+    # each upload ends. (Waiting for the poll, the second file would start 10 s later.)
+    from ckptfs.drain import worker
+
+    monkeypatch.setattr(worker, "POLL_SECONDS", 10.0)
+    names = [f"run/f{i}" for i in range(4)]
+    for name in names:
+        denv.write_file(name, b"x" * 100)
+
+    async def run():
+        async with denv.store() as store:
+            drain = denv.make_drain(store, concurrency=1, settle_seconds=0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain.run)
+                await wait_for(lambda: all((denv.bucket / name).exists() for name in names), timeout=8.0)
+                nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    assert sorted(denv.listing()) == names
