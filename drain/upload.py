@@ -425,6 +425,23 @@ def _read_whole_hashing(path: str, size: int) -> tuple[bytearray, str]:
             _hashers.put(h)
 
 
+def _stat_and_read_small(path: str, buffered_max: int):
+    """``os.stat(path)``, and for a file of at most ``buffered_max`` bytes also its bytes and
+    BLAKE3 (:func:`_read_whole_hashing`) and a second stat after the read, to tell a change
+    meanwhile: ``(st0, (buf, blake3, st1) or None)``. One thread hop where a small file took
+    three; the caller returns ``buf`` to ``_put_buffers``."""
+    st0 = os.stat(path)
+    if st0.st_size > buffered_max:
+        return st0, None
+    buf, hexd = _read_whole_hashing(path, st0.st_size)
+    try:
+        st1 = os.stat(path)
+    except BaseException:
+        _put_buffers.put(buf)
+        raise
+    return st0, (buf, hexd, st1)
+
+
 # --------------------------------------------------------------------------
 # upload
 
@@ -523,34 +540,40 @@ async def upload_file(
     if options.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     path = os.fspath(path)
-    st0 = await trio.to_thread.run_sync(os.stat, path)
-    if size is not None and st0.st_size != size:
-        raise localio.SourceChangedError(f"{path} has {st0.st_size} bytes, expected {size}")
+    # A file sent in one buffered PUT is read and hashed in the same thread hop as its stat.
+    buffered_max = options.part_size if store.new_part_digest() is None else min(options.part_size, BUFFERED_PUT_MAX)
+    st0, read = await trio.to_thread.run_sync(_stat_and_read_small, path, buffered_max)
+    buf = read[0] if read is not None else None
+    try:
+        if size is not None and st0.st_size != size:
+            raise localio.SourceChangedError(f"{path} has {st0.st_size} bytes, expected {size}")
+        if journal.should_abort():
+            raise UploadAborted(key)
+    except BaseException:
+        if buf is not None:
+            _put_buffers.put(buf)
+        raise
     size = st0.st_size
     meta = dict(metadata or {})
     retry = _retry_for(journal, options)
 
-    if journal.should_abort():
-        raise UploadAborted(key)
-
     # ---- small file: single PUT ------------------------------------------------
     resume = _coerce_record(resume)
     if size <= options.part_size:
-        if resume is not None:
-            await _abort_quietly(store, resume.key, resume.upload_id)
-        buf = None
         try:
-            if size > BUFFERED_PUT_MAX and store.new_part_digest() is not None:
+            if resume is not None:
+                await _abort_quietly(store, resume.key, resume.upload_id)
+            if read is None:
                 # hashed, then streamed from the file like a part (memory stays bounded)
                 fdg = await digest_file(path, size, size, store)
                 hexd, body, put_kw = fdg.blake3, path, {"digest": fdg.parts[0]}
+                st1 = await trio.to_thread.run_sync(os.stat, path)
             else:  # read once: the same buffer is hashed and sent
-                buf, hexd = await trio.to_thread.run_sync(_read_whole_hashing, path, size)
+                buf, hexd, st1 = read
                 body, put_kw = memoryview(buf)[:size], {}
             if blake3_hex is not None and blake3_hex != hexd:
                 raise localio.SourceChangedError(f"{path}: blake3 {hexd} != expected {blake3_hex}")
             meta[META_BLAKE3] = hexd
-            st1 = await trio.to_thread.run_sync(os.stat, path)
             if _stat_id(st1) != _stat_id(st0):
                 raise localio.SourceChangedError(f"{path} changed while being read")
             if not await journal.may_complete():
