@@ -421,15 +421,16 @@ class MetaStore:
                 return mine.outcome()
             self._group_leading = True
         try:
-            self._commit_group()
+            self._commit_group(mine)
         finally:
             with self._group_cond:
                 self._group_leading = False
                 self._group_cond.notify_all()
         return mine.outcome()
 
-    def _commit_group(self) -> None:
-        """Commit the queued writes as one transaction (the leader of a group commit)."""
+    def _commit_group(self, mine: "_GroupedWrite") -> None:
+        """Commit the queued writes as one transaction (the leader of a group commit, whose
+        own write is ``mine``)."""
         group: list[_GroupedWrite] = []
         while True:
             try:
@@ -455,6 +456,10 @@ class MetaStore:
             except lmdb.MapFullError:
                 self._grow()  # then every write of the group runs again
             except BaseException as exc:  # the commit failed: none of them is stored
+                if mine not in group:  # (it failed before it took the queue)
+                    with self._group_cond:
+                        self._group_queue.remove(mine)
+                    group.append(mine)
                 for write in group:
                     write.error = exc
                 break

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import lmdb
 import pytest
 
 from ckptfs.fsmeta import MetaStore
@@ -380,6 +381,24 @@ def test_a_write_that_raises_in_a_group_commit_fails_alone(tmp_path):
         assert errors[0] is None and errors[2] is None
         assert results[0] == (0, b"0") and results[2] == (2, b"2")
         assert get(store, b"k1", committed=True) is None  # nothing of it is left
+    finally:
+        store.close()
+
+
+def test_a_grouped_write_whose_transaction_cannot_begin_raises(tmp_path, monkeypatch):
+    """A write whose transaction fails to begin (EIO, no reader slot) reports it to its
+    caller, never returns as if it had been stored."""
+    store = MetaStore(str(tmp_path / "meta"))
+    try:
+        def failing_txn(write):
+            raise lmdb.Error("cannot begin")
+
+        monkeypatch.setattr(store, "_txn", failing_txn)
+        with pytest.raises(lmdb.Error, match="cannot begin"):
+            store.write(_numbered_put(0))
+        monkeypatch.undo()
+        assert store.write(_numbered_put(1)) == 1  # the next leader is not blocked
+        assert get(store, b"k0", committed=True) is None
     finally:
         store.close()
 
