@@ -453,9 +453,14 @@ class MetaStore:
                     raw.commit()
                     self.commits += 1
                 break
-            except lmdb.MapFullError:
-                self._grow()  # then every write of the group runs again
-            except BaseException as exc:  # the commit failed: none of them is stored
+            except BaseException as exc:
+                if isinstance(exc, lmdb.MapFullError):
+                    try:
+                        self._grow()  # then every write of the group runs again
+                        continue
+                    except BaseException as grow_exc:  # (at the largest map)
+                        exc = grow_exc
+                # The commit failed: none of them is stored.
                 if mine not in group:  # (it failed before it took the queue)
                     with self._group_cond:
                         self._group_queue.remove(mine)

@@ -403,6 +403,26 @@ def test_a_grouped_write_whose_transaction_cannot_begin_raises(tmp_path, monkeyp
         store.close()
 
 
+def test_grouped_writes_that_overflow_the_largest_map_fail_and_the_store_goes_on(tmp_path, monkeypatch):
+    """Every caller of a group that cannot be stored (the map at its largest) gets the error;
+    none returns as if stored, and later writes are stored."""
+    monkeypatch.setattr(store_module, "MAX_MAP_SIZE", 1 << 20)
+    store = MetaStore(str(tmp_path / "meta"), map_size=1 << 20)
+    try:
+        def blob(i: int):
+            def fn(txn) -> int:
+                txn.raw.put(b"k%d" % i, os.urandom(600 << 10), db=txn.dbs["meta"])
+                return i
+            return fn
+
+        results, errors = _writes_behind_a_slow_one(store, [blob(i) for i in range(3)])
+        assert all(isinstance(e, lmdb.MapFullError) for e in errors), (results, errors)
+        assert store.write(_numbered_put(7)) == 7
+        assert get(store, b"k7", committed=True) == b"7"
+    finally:
+        store.close()
+
+
 def test_a_group_commit_that_fills_the_map_grows_it_and_stores_every_write(tmp_path):
     store = MetaStore(str(tmp_path / "meta"), map_size=1 << 20)
     try:
