@@ -370,6 +370,17 @@ class MetaStore:
                     return
             self._remap(0)
 
+    def _run_nested(self, parent: lmdb.Transaction, fn: Callable[[Txn], T]) -> T:
+        """``fn`` in a nested write transaction of ``parent``: committed into it if ``fn``
+        returns, gone without a trace if it raises."""
+        child = self.env.begin(write=True, parent=parent)
+        try:
+            result = fn(Txn(child, self.dbs, write=True))
+            child.commit()
+            return result
+        finally:
+            child.abort()  # a no-op after commit
+
     def _remap(self, size: int) -> None:
         """``set_mapsize`` (0: adopt the size another process set) with no transaction live."""
         with self._gate.exclusive():
@@ -439,17 +450,13 @@ class MetaStore:
                         group += self._group_queue
                         self._group_queue = []
                     for write in group:
-                        child = self.env.begin(write=True, parent=raw)
                         try:
-                            write.result = write.fn(Txn(child, self.dbs, write=True))
+                            write.result = self._run_nested(raw, write.fn)
                             write.error = None
-                            child.commit()
                         except lmdb.MapFullError:
                             raise
                         except Exception as exc:  # its caller's error alone
                             write.error = exc
-                        finally:
-                            child.abort()  # a no-op after commit
                     raw.commit()
                     self.commits += 1
                 break
@@ -504,18 +511,14 @@ class MetaStore:
         depth.n = getattr(depth, "n", 0) + 1
         try:
             for fn, then in queued:
-                child = self.env.begin(write=True, parent=batch)
                 try:
-                    result = fn(Txn(child, self.dbs, write=True))
-                    child.commit()
+                    result = self._run_nested(batch, fn)
                 except lmdb.MapFullError:
                     return True
                 except Exception:
                     log.exception("fsmeta: a deferred write failed; it is dropped")
                     done += 1
                     continue
-                finally:
-                    child.abort()  # a no-op after commit
                 done += 1
                 self._write_seq += 1
                 if then is not None:
@@ -538,12 +541,7 @@ class MetaStore:
                         self._run_soon(batch, SOON_PER_WRITE if soon_limit is None else soon_limit)
                     depth.n = getattr(depth, "n", 0) + 1
                     try:
-                        child = self.env.begin(write=True, parent=batch)
-                        try:
-                            result = fn(Txn(child, self.dbs, write=True))
-                            child.commit()
-                        finally:
-                            child.abort()  # a no-op after commit
+                        result = self._run_nested(batch, fn)
                     finally:
                         depth.n -= 1
                     self._write_seq += 1
