@@ -16,6 +16,13 @@ from ckptfs.fsmeta import MetaStore
 from ckptfs.fsmeta import store as store_module
 
 
+def wait_until(condition, failure: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.002)
+
+
 def put_blob(store: MetaStore, key: bytes, size: int) -> None:
     store.write(lambda txn: txn.raw.put(key, os.urandom(size), db=txn.dbs["meta"]))
 
@@ -163,10 +170,7 @@ def test_deferred_batch_commits_by_itself_within_the_interval(tmp_path, how):
     try:
         store.defer_commits(0.01)
         getattr(store, how)(_put_fn(b"k", b"1"))
-        deadline = time.monotonic() + 10
-        while get(store, b"k", committed=True) is None:
-            assert time.monotonic() < deadline, "the batch was never committed"
-            time.sleep(0.005)
+        wait_until(lambda: get(store, b"k", committed=True) is not None, "the batch was never committed")
     finally:
         store.close()
 
@@ -234,10 +238,7 @@ def test_the_committer_runs_a_long_queue_over_several_batches(tmp_path, monkeypa
         store.defer_commits(0.01)
         for i in range(7):
             store.write_soon(_put_fn(b"soon%d" % i, b"1"))
-        deadline = time.monotonic() + 10
-        while get(store, b"soon6", committed=True) is None:
-            assert time.monotonic() < deadline, "the queue was never run to its end"
-            time.sleep(0.005)
+        wait_until(lambda: get(store, b"soon6", committed=True) is not None, "the queue was never run to its end")
         assert all(get(store, b"soon%d" % i, committed=True) == b"1" for i in range(7))
     finally:
         store.close()
@@ -249,10 +250,7 @@ def test_a_write_soon_that_finds_the_map_full_runs_once_the_committer_grew_it(tm
     try:
         store.defer_commits(0.01)
         store.write_soon(lambda txn: txn.raw.put(b"blob", os.urandom(4 << 20), db=txn.dbs["meta"]))
-        deadline = time.monotonic() + 10
-        while get(store, b"blob", committed=True) is None:
-            assert time.monotonic() < deadline, "the queued write never ran"
-            time.sleep(0.005)
+        wait_until(lambda: get(store, b"blob", committed=True) is not None, "the queued write never ran")
         assert store.env.info()["map_size"] > 1 << 20
     finally:
         store.close()
@@ -306,13 +304,6 @@ def test_deferred_writes_grow_the_map(tmp_path):
         store.close()
 
 
-def _wait_queued(store: MetaStore, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(store._group_queue) < n:
-        assert time.monotonic() < deadline, "the writes never queued"
-        time.sleep(0.001)
-
-
 def _writes_behind_a_slow_one(store: MetaStore, fns: list) -> tuple[list, list]:
     """The first write holds the writer lock, in its function, until the others (``fns``,
     from threads of their own) are waiting; returns their results and errors by index."""
@@ -338,7 +329,7 @@ def _writes_behind_a_slow_one(store: MetaStore, fns: list) -> tuple[list, list]:
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
     for t in threads:
         t.start()
-    _wait_queued(store, len(fns))
+    wait_until(lambda: len(store._group_queue) >= len(fns), "the writes never queued")
     release.set()
     for t in [first, *threads]:
         t.join(10)
