@@ -45,6 +45,11 @@ CHECKSUMS = ("auto", "crc32", "crc32c", "crc64nvme", "sha256", "md5", "none")
 # (``auto``), required (``passthrough``: refuse to mount otherwise), or the writeback cache.
 DATA_PATHS = ("auto", "passthrough", "writeback")
 
+# How FUSE requests reach the gateway (``[mount] fuse_io_uring``): through io_uring queues, one
+# per CPU, where the kernel offers them (``auto``), required (``on``: refuse to mount
+# otherwise), or through /dev/fuse alone (``off``). See docs/OPERATIONS.md.
+FUSE_IO_URING_MODES = ("auto", "on", "off")
+
 
 # Cache space defaults (docs/OPERATIONS.md): cap at 90% of the cache device, evict clean
 # files from 90% of the cap down to 80%, writers wait up to 10 minutes for room.
@@ -211,6 +216,7 @@ class Settings:
     metrics_addr: str = "127.0.0.1:9810"
     allow_other: bool | None = None  # None: on when run as root
     data_path: str = "auto"  # auto | passthrough | writeback (gateway/passthrough.py)
+    fuse_io_uring: str = "auto"  # auto | on | off (native/ckptfs_fuse.c, "FUSE over io_uring")
     # seconds a directory listing of the bucket answers lookups (incl. misses) before the
     # next one (gateway/listing.py)
     remote_ttl: float = 3.0
@@ -260,6 +266,9 @@ class Settings:
                 raise ConfigError(f"endpoint_url: expected http(s)://host[:port], got {self.endpoint_url!r}")
         if self.data_path not in DATA_PATHS:
             raise ConfigError(f"mount.data_path: must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}")
+        if self.fuse_io_uring not in FUSE_IO_URING_MODES:
+            raise ConfigError(f"mount.fuse_io_uring: must be one of {', '.join(FUSE_IO_URING_MODES)}, "
+                              f"got {self.fuse_io_uring!r}")
         if isinstance(self.remote_ttl, bool) or not isinstance(self.remote_ttl, (int, float)) \
                 or not 0 <= float(self.remote_ttl) <= 86400:
             raise ConfigError(f"mount.remote_ttl: must be 0..86400 seconds, got {self.remote_ttl!r}")
@@ -316,6 +325,7 @@ _TOML_KEYS = {
         "metrics_addr": "metrics_addr",
         "allow_other": "allow_other",
         "data_path": "data_path",
+        "fuse_io_uring": "fuse_io_uring",
         "remote_ttl": "remote_ttl",
         "endpoint_url": "endpoint_url",
         "region": "region",
@@ -344,7 +354,7 @@ _TOML_KEYS = {
 
 _TYPES = {
     "bucket_url": str, "endpoint_url": str, "region": str, "fsync": str, "metrics_addr": str,
-    "allow_other": bool, "data_path": str, "remote_ttl": (int, float), "cache_dir": str,
+    "allow_other": bool, "data_path": str, "fuse_io_uring": str, "remote_ttl": (int, float), "cache_dir": str,
     "settle_seconds": (int, float), "part_size": (str, int),
     "concurrency": int, "markers": list, "checksum": str, "sign_payload": bool,
     "cache_max_size": (str, int), "cache_high_watermark": (int, float, str), "cache_low_watermark": (int, float, str),

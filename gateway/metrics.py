@@ -48,6 +48,9 @@ INTEGRITY_FAILURES = Counter(
 )
 DATA_PATH = Gauge("ckptfs_data_path", "1 for the data path this gateway runs: passthrough or writeback",
                   ["mode"], registry=REGISTRY)
+FUSE_TRANSPORT = Gauge("ckptfs_fuse_transport",
+                       "1 for how FUSE requests reach this gateway: io_uring (a queue per CPU) or dev_fuse",
+                       ["transport"], registry=REGISTRY)
 NAMESPACE_REQUESTS = Counter(
     "ckptfs_namespace_bucket_requests_total",
     "Bucket requests the namespace sent (list: directory listings, head: object metadata, get: symlink targets)",
@@ -102,6 +105,11 @@ class FuseRequestCollector:
                                    "GETATTRs of a directory just changed, answered by the front end from the "
                                    "attributes the change left, without Python (counted in ckptfs_fuse_requests too)")
         kept.add_metric([], self._session.dir_attr_hits)
+        ringed = CounterMetricFamily("ckptfs_fuse_io_uring_requests",
+                                     "FUSE requests that came through the io_uring queues (counted in "
+                                     "ckptfs_fuse_requests too)")
+        ringed.add_metric([], self._session.io_uring_requests)
+        yield ringed
         yield requests
         yield seconds
         yield gil
@@ -121,6 +129,11 @@ def watch_cache(cache_dir: str, meta: MetaStore) -> None:
 def set_data_path(mode: str) -> None:
     for other in ("passthrough", "writeback"):
         DATA_PATH.labels(other).set(1 if other == mode else 0)
+
+
+def set_fuse_transport(transport: str) -> None:
+    for other in ("io_uring", "dev_fuse"):
+        FUSE_TRANSPORT.labels(other).set(1 if other == transport else 0)
 
 
 def serve(addr: str) -> None:

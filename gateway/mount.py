@@ -125,15 +125,20 @@ def prepare_cache_dir(path: str) -> None:
         raise MountError(f"cache directory {path}: not writable")
 
 
+# What requests to a FUSE mount whose daemon died fail with: ENOTCONN, or ECONNABORTED where
+# the daemon took its requests through io_uring (the kernel tears its queues down as aborted).
+DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+
+
 def clear_dead_mount(mountpoint: str) -> bool:
-    """Lazily unmount a FUSE mount whose daemon died (ENOTCONN); True if one was cleared."""
+    """Lazily unmount a FUSE mount whose daemon died; True if one was cleared."""
     try:
         # statfs, not stat: the kernel answers stat of a dead mount from its attribute
-        # cache for up to the attr timeout, but always sends STATFS (ENOTCONN at once).
+        # cache for up to the attr timeout, but always sends STATFS (which fails at once).
         os.statvfs(mountpoint)
         return False
     except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
+        if exc.errno not in DEAD_MOUNT_ERRNOS:
             return False
     log.warning("%s: clearing the dead mount of a crashed gateway", mountpoint)
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False,
@@ -223,6 +228,33 @@ def choose_data_path(requested: str) -> tuple[str, str]:
     return "writeback", f"passthrough not available: {reason}"
 
 
+ENABLE_URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def choose_fuse_transport(requested: str) -> tuple[bool, str]:
+    """``(want_io_uring, why)`` for ``[mount] fuse_io_uring`` (auto, on, off).
+
+    The kernel lets a FUSE daemon take requests through io_uring only where the fuse module's
+    ``enable_uring`` parameter is on (Linux 6.14+ with CONFIG_FUSE_IO_URING; off by default).
+    ``on`` refuses to mount, with the reason, where it is not; ``auto`` then uses /dev/fuse
+    alone. Setting the rings up can still fail after INIT; the front end then stays on /dev/fuse
+    (``on_init_replied`` in :func:`run_foreground` logs it)."""
+    if requested == "off":
+        return False, "as configured"
+    try:
+        with open(ENABLE_URING_PARAM) as fh:
+            enabled = fh.read().strip() in ("Y", "1")
+    except OSError:
+        enabled = None
+    if enabled:
+        return True, "the kernel offers it"
+    reason = ("this kernel has no FUSE over io_uring (Linux 6.14+ with CONFIG_FUSE_IO_URING)" if enabled is None
+              else f"the fuse module's enable_uring parameter is off (as root: echo Y > {ENABLE_URING_PARAM})")
+    if requested == "on":
+        raise MountError(f"fuse_io_uring on: not available here: {reason}")
+    return False, reason
+
+
 # -- running --------------------------------------------------------------------------------
 
 
@@ -238,6 +270,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     mountpoint = os.path.abspath(mountpoint)
     try:
         data_path, data_path_why = choose_data_path(settings.data_path)
+        want_io_uring, io_uring_why = choose_fuse_transport(settings.fuse_io_uring)
     except MountError as exc:
         return fail(str(exc))
     try:
@@ -276,10 +309,15 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
     session: ckptfs_fuse.Session | None = None
 
-    def record_data_path(mode: str) -> None:
+    started_ns = time.time_ns()
+    running = {"data_path": data_path, "fuse_transport": "dev_fuse"}  # until INIT says
+
+    def record_modes(**modes: str) -> None:
+        running.update(modes)
         meta.write(lambda txn: txn.put_gateway_status(
-            {"pid": os.getpid(), "mountpoint": mountpoint, "data_path": mode, "started_ns": time.time_ns()}))
-        metrics.set_data_path(mode)
+            {"pid": os.getpid(), "mountpoint": mountpoint, "started_ns": started_ns, **running}))
+        metrics.set_data_path(running["data_path"])
+        metrics.set_fuse_transport(running["fuse_transport"])
 
     def on_init() -> None:
         # The kernel's INIT: only now is it known whether passthrough was granted. If not, the
@@ -298,9 +336,21 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             ops.direct_served_io = session.direct_io_mmap_granted
             log.info("files being fetched are opened with %s", "direct I/O" if ops.direct_served_io else
                      "the page cache (the kernel did not grant FUSE_DIRECT_IO_ALLOW_MMAP)")
-        record_data_path(mode)
+        record_modes(data_path=mode)
 
     def on_init_replied() -> None:
+        # The front end has set up its io_uring queues (if asked to) before calling this.
+        if session.io_uring_active:
+            record_modes(fuse_transport="io_uring")
+            log.info("FUSE requests: io_uring, a queue per CPU (%s)", io_uring_why)
+            if session.io_uring_error:
+                log.warning("FUSE requests: some io_uring threads could not be set up (%s); their CPUs' "
+                            "queues have fewer threads", os.strerror(session.io_uring_error))
+        elif want_io_uring:
+            log.error("FUSE requests: /dev/fuse; setting up the io_uring queues failed: %s",
+                      os.strerror(session.io_uring_error or errno.EIO))
+        else:
+            log.info("FUSE requests: /dev/fuse (io_uring: %s)", io_uring_why)
         raise_read_ahead(mountpoint)  # the kernel caps it at what INIT's reply said
 
     ops = CkptOperations(core, fsync_hook=fsync_hook, on_init=on_init, on_init_replied=on_init_replied)
@@ -317,6 +367,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             direct_io_mmap=data_path == "passthrough",
             max_threads=FUSE_THREADS,
             user_xattrs_only=True,  # only user.* attributes exist (gateway/xattrs.py)
+            io_uring=want_io_uring,
             splice_write=True)  # READs of fetched ranges: cache file -> /dev/fuse, no copy in between
     except RuntimeError as exc:
         core.close_spares()
@@ -329,7 +380,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     if data_path == "passthrough":
         core.enable_passthrough(functools.partial(passthrough.open_backing, fuse_fd=session.fd),
                                 functools.partial(passthrough.close_backing, fuse_fd=session.fd))
-    record_data_path(data_path)  # until INIT confirms it (on_init)
+    record_modes()  # until INIT confirms them (on_init, on_init_replied)
     metrics.watch_fuse(session, ckptfs_fuse.BUCKET_BOUNDS)
     metrics.watch_cache(settings.cache_dir, meta)
     metrics.serve(settings.metrics_addr)

@@ -117,6 +117,8 @@ struct worker {
     uint64_t gil_ns;    /* of the request being served: time spent waiting for the GIL */
     uint64_t changing[2]; /* directories the request being served may change (dir_attrs_begin) */
     int n_changing;
+    int qid;            /* a ring thread: the CPU whose queue it serves */
+    int registered;     /* a ring thread: its entry is registered */
     struct worker *next;
 };
 
@@ -164,9 +166,22 @@ typedef struct session {
     struct dir_attrs *dir_attrs[DIR_ATTRS_BUCKETS];
     unsigned n_dir_attrs;
     uint64_t dir_attrs_hits;
+    /* FUSE over io_uring (want_ring: asked for; see "FUSE over io_uring") */
+    int want_ring, ring_entries, ring_active, ring_error;
+    struct worker *rings;   /* ring threads */
+    int rings_pending;      /* started, not yet registered (or failed) */
+    int n_rings_running;
+    size_t ring_payload_len;
+    uint64_t ring_requests; /* served from a ring */
+    /* FORGETs taken and not yet handed to Python (see queue_forgets) */
+    pthread_mutex_t forget_lock;
+    struct forget_item { uint64_t ino, nlookup; } *forgets;
+    size_t n_forgets, cap_forgets;
 } Session;
 
 static __thread struct worker *this_worker;
+
+static void flush_forgets(Session *s);
 
 /* ---- the GIL around a request -------------------------------------------------------------- */
 
@@ -176,6 +191,8 @@ static inline void enter(void)
     uint64_t t0 = now_ns();
     PyEval_RestoreThread(this_worker->ts);
     this_worker->gil_ns += now_ns() - t0;
+    if (__atomic_load_n(&this_worker->s->n_forgets, __ATOMIC_RELAXED) != 0)
+        flush_forgets(this_worker->s);
 }
 static inline void leave(void) { (void)PyEval_SaveThread(); }
 
@@ -643,34 +660,70 @@ static void ll_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
     reply_entry_result(req, s, OP_LOOKUP, call(s, OP_LOOKUP, a, 2));
 }
 
-static void ll_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+/* FORGET and BATCH_FORGET: nobody waits for them, and each would take the GIL in a thread of its
+ * own beside the request that follows (an unlink's FORGET comes with the next unlink). They are
+ * queued here and handed to ops.forget by the next thread that takes the GIL for a request
+ * (enter), or by run()'s own loop within 200 ms. Handing them over late only keeps an inode
+ * longer: a later LOOKUP of it adds its reference before the late FORGET takes the old ones. */
+static void queue_forgets(Session *s, const struct forget_item *items, size_t n)
 {
-    Session *s = session_of(req);
-    enter();
-    PyObject *list = Py_BuildValue("[(KK)]", (unsigned long long)ino, (unsigned long long)nlookup);
-    PyObject *a[] = {list};
-    call_void(s, OP_FORGET, a, 1);
-    leave();
-    fuse_reply_none(req);
+    pthread_mutex_lock(&s->forget_lock);
+    if (s->n_forgets + n > s->cap_forgets) {
+        size_t cap = s->cap_forgets ? s->cap_forgets : 64;
+        while (cap < s->n_forgets + n)
+            cap *= 2;
+        struct forget_item *grown = realloc(s->forgets, cap * sizeof(*grown));
+        if (grown == NULL) { /* keep the references: the inode stays until the next mount */
+            pthread_mutex_unlock(&s->forget_lock);
+            return;
+        }
+        s->forgets = grown;
+        s->cap_forgets = cap;
+    }
+    memcpy(s->forgets + s->n_forgets, items, n * sizeof(*items));
+    __atomic_store_n(&s->n_forgets, s->n_forgets + n, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&s->forget_lock);
 }
 
-static void ll_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+/* With the GIL held: ops.forget(the queued FORGETs). */
+static void flush_forgets(Session *s)
 {
-    Session *s = session_of(req);
-    enter();
-    PyObject *list = PyList_New((Py_ssize_t)count);
-    for (size_t i = 0; list != NULL && i < count; i++) {
-        PyObject *item = Py_BuildValue("(KK)", (unsigned long long)forgets[i].ino,
-                                       (unsigned long long)forgets[i].nlookup);
+    pthread_mutex_lock(&s->forget_lock);
+    size_t n = s->n_forgets;
+    struct forget_item *items = s->forgets;
+    s->forgets = NULL;
+    s->n_forgets = s->cap_forgets = 0;
+    pthread_mutex_unlock(&s->forget_lock);
+    if (n == 0) {
+        free(items);
+        return;
+    }
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        PyObject *item = Py_BuildValue("(KK)", (unsigned long long)items[i].ino, (unsigned long long)items[i].nlookup);
         if (item == NULL) {
             Py_CLEAR(list);
             break;
         }
         PyList_SET_ITEM(list, (Py_ssize_t)i, item);
     }
+    free(items);
     PyObject *a[] = {list};
     call_void(s, OP_FORGET, a, 1);
-    leave();
+}
+
+static void ll_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    struct forget_item item = {ino, nlookup};
+    queue_forgets(session_of(req), &item, 1);
+    fuse_reply_none(req);
+}
+
+static void ll_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+    /* struct fuse_forget_data is {uint64_t ino, nlookup}, as forget_item */
+    _Static_assert(sizeof(struct fuse_forget_data) == sizeof(struct forget_item), "forget layout");
+    queue_forgets(session_of(req), (const struct forget_item *)forgets, count);
     fuse_reply_none(req);
 }
 
@@ -1264,7 +1317,19 @@ static sigset_t wake_set(void)
     return set;
 }
 
+/* The signals a front-end thread starts with blocked: those the Python main thread handles never
+ * come to it, and the wake signal only while it waits for a request (see worker_main). */
+static sigset_t blocked_in_workers(void)
+{
+    sigset_t set = wake_set();
+    int handled_in_python[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGCHLD, SIGUSR1, SIGUSR2};
+    for (size_t i = 0; i < sizeof(handled_in_python) / sizeof(handled_in_python[0]); i++)
+        sigaddset(&set, handled_in_python[i]);
+    return set;
+}
+
 static int start_worker(Session *s);
+static void start_rings(Session *s);
 
 static void account(Session *s, uint32_t opcode, uint64_t ns, uint64_t gil_ns)
 {
@@ -1329,6 +1394,8 @@ static void *worker_main(void *arg)
         if (w->init_handled) {
             /* INIT's reply is in the kernel now: what must follow it (the mount's read-ahead) */
             w->init_handled = 0;
+            if (s->want_ring)
+                start_rings(s);
             enter();
             call_void(s, OP_INIT_REPLIED, NULL, 0);
             leave();
@@ -1359,18 +1426,7 @@ static int start_worker(Session *s)
     if (w == NULL)
         return -1;
     w->s = s;
-    sigset_t block, old;
-    sigemptyset(&block);
-    /* Signals the Python main thread handles never come to a worker; the wake signal only
-     * while the worker reads (see worker_main). */
-    sigaddset(&block, SIGTERM);
-    sigaddset(&block, SIGINT);
-    sigaddset(&block, SIGHUP);
-    sigaddset(&block, SIGQUIT);
-    sigaddset(&block, SIGCHLD);
-    sigaddset(&block, SIGUSR1);
-    sigaddset(&block, SIGUSR2);
-    sigaddset(&block, WAKE_SIGNAL);
+    sigset_t block = blocked_in_workers(), old;
     pthread_mutex_lock(&s->lock);
     if (s->n_workers >= s->max_threads || s->exiting) {
         pthread_mutex_unlock(&s->lock);
@@ -1437,26 +1493,500 @@ static unsigned splice_max_read(void)
     return (unsigned)(max_read < largest ? max_read : largest);
 }
 
+/* ---- FUSE over io_uring ----------------------------------------------------------------------
+ *
+ * Why (docs/DESIGN.md, "Round 8"): with /dev/fuse, a request wakes whichever worker has waited
+ * longest, on whichever CPU it last ran, and its reply wakes the caller back on its own CPU:
+ * two cross-CPU wake-ups per request. Where an idle CPU is expensive to wake (a VM whose idle
+ * CPUs halt at once), that is most of what a metadata request costs. With FUSE over io_uring
+ * (Linux 6.14+, the fuse module's enable_uring parameter), the kernel queues each request on the
+ * queue of the caller's CPU; here each queue is served by threads pinned to that CPU, so the
+ * caller, which blocks until the answer, hands its CPU to the thread that answers.
+ *
+ * Each ring thread has an io_uring of its own and one ring entry: a header buffer and a payload
+ * buffer registered with FUSE_IO_URING_CMD_REGISTER for its CPU's queue. A request arrives as a
+ * completion with the fuse_in_header in the header's in_out, the opcode's fixed argument in
+ * op_in and the rest in the payload buffer. The thread lays them out as /dev/fuse would (the
+ * payload buffer has room in front for the headers, so the payload is not copied) and hands
+ * them to libfuse, whose reply comes back through the session's custom writev (io_writev):
+ * the fuse_out_header goes to in_out and the reply's arguments to the payload buffer. Then
+ * FUSE_IO_URING_CMD_COMMIT_AND_FETCH sends the reply and waits for the next request.
+ * FORGET and INTERRUPT still come through /dev/fuse (the kernel sends them there), as do
+ * notifications from the daemon; the /dev/fuse workers above stay for them. The kernel switches
+ * a connection to the rings once every CPU's queue has an entry; until then, or if registering
+ * fails, every request comes through /dev/fuse as before. */
+
+#include <linux/io_uring.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+
+/* From <linux/fuse.h> 7.42, which Debian 12's headers predate. */
+struct ck_fuse_in_header { uint32_t len, opcode; uint64_t unique, nodeid; uint32_t uid, gid, pid;
+                           uint16_t total_extlen, padding; };
+struct ck_fuse_out_header { uint32_t len; int32_t error; uint64_t unique; };
+struct ck_uring_ent_in_out { uint64_t flags, commit_id; uint32_t payload_sz, padding; uint64_t reserved; };
+struct ck_uring_req_header { char in_out[128]; char op_in[128]; struct ck_uring_ent_in_out ring_ent_in_out; };
+struct ck_uring_cmd_req { uint64_t flags, commit_id; uint16_t qid; uint8_t padding[6]; };
+#define CK_URING_CMD_REGISTER 1
+#define CK_URING_CMD_COMMIT_AND_FETCH 2
+#define RING_HEADROOM 256 /* room in front of the payload for the in header and op_in */
+
+struct ring {
+    int fd;
+    unsigned *sq_tail, *sq_mask, *sq_array, *cq_head, *cq_tail, *cq_mask;
+    char *sqes;
+    struct io_uring_cqe *cqes;
+    void *sq_map, *sqes_map, *cq_map;
+    size_t sq_map_len, sqes_map_len, cq_map_len;
+    /* the ring entry */
+    struct ck_uring_req_header *hdr;
+    char *buf;          /* RING_HEADROOM + payload */
+    size_t payload_len;
+    uint64_t unique;    /* of the request being served */
+    int replied;
+};
+
+static void ring_close(struct ring *r)
+{
+    if (r->sqes_map != NULL && r->sqes_map != MAP_FAILED)
+        munmap(r->sqes_map, r->sqes_map_len);
+    if (r->cq_map != NULL && r->cq_map != MAP_FAILED && r->cq_map != r->sq_map)
+        munmap(r->cq_map, r->cq_map_len);
+    if (r->sq_map != NULL && r->sq_map != MAP_FAILED)
+        munmap(r->sq_map, r->sq_map_len);
+    if (r->fd >= 0)
+        close(r->fd);
+    free(r->hdr);
+    free(r->buf);
+    memset(r, 0, sizeof(*r));
+    r->fd = -1;
+}
+
+/* An io_uring with 128-byte SQEs, for the calling thread only. 0 or -errno. */
+static int ring_open(struct ring *r, size_t payload_len)
+{
+    memset(r, 0, sizeof(*r));
+    r->fd = -1;
+    struct io_uring_params p;
+    memset(&p, 0, sizeof(p));
+    p.flags = IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+    int fd = (int)syscall(__NR_io_uring_setup, 4, &p);
+    if (fd < 0 && errno == EINVAL) { /* before Linux 6.1 */
+        memset(&p, 0, sizeof(p));
+        p.flags = IORING_SETUP_SQE128;
+        fd = (int)syscall(__NR_io_uring_setup, 4, &p);
+    }
+    if (fd < 0)
+        return -errno;
+    r->fd = fd;
+    r->sq_map_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
+    r->cq_map_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        if (r->cq_map_len > r->sq_map_len)
+            r->sq_map_len = r->cq_map_len;
+    }
+    r->sq_map = mmap(NULL, r->sq_map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQ_RING);
+    if (r->sq_map == MAP_FAILED)
+        goto fail;
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+        r->cq_map = r->sq_map;
+    } else {
+        r->cq_map = mmap(NULL, r->cq_map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_CQ_RING);
+        if (r->cq_map == MAP_FAILED)
+            goto fail;
+    }
+    r->sqes_map_len = p.sq_entries * 128;
+    r->sqes_map = mmap(NULL, r->sqes_map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, IORING_OFF_SQES);
+    if (r->sqes_map == MAP_FAILED)
+        goto fail;
+    char *sq = r->sq_map, *cq = r->cq_map;
+    r->sq_tail = (unsigned *)(sq + p.sq_off.tail);
+    r->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
+    r->sq_array = (unsigned *)(sq + p.sq_off.array);
+    r->cq_head = (unsigned *)(cq + p.cq_off.head);
+    r->cq_tail = (unsigned *)(cq + p.cq_off.tail);
+    r->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
+    r->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
+    r->sqes = r->sqes_map;
+    r->payload_len = payload_len;
+    if (posix_memalign((void **)&r->hdr, 64, sizeof(*r->hdr)) != 0)
+        r->hdr = NULL;
+    if (posix_memalign((void **)&r->buf, 4096, RING_HEADROOM + payload_len) != 0)
+        r->buf = NULL;
+    if (r->hdr == NULL || r->buf == NULL) {
+        ring_close(r);
+        return -ENOMEM;
+    }
+    memset(r->hdr, 0, sizeof(*r->hdr));
+    return 0;
+fail:;
+    int e = errno;
+    ring_close(r);
+    return -e;
+}
+
+/* Submit one FUSE ring command for queue qid. 0 or -errno. */
+static int ring_submit(struct ring *r, int fuse_fd, uint32_t cmd_op, uint64_t commit_id, uint16_t qid)
+{
+    struct iovec iov[2] = {{r->hdr, sizeof(*r->hdr)}, {r->buf + RING_HEADROOM, r->payload_len}};
+    unsigned tail = *r->sq_tail;
+    unsigned idx = tail & *r->sq_mask;
+    struct io_uring_sqe *sqe = (struct io_uring_sqe *)(r->sqes + (size_t)idx * 128);
+    memset(sqe, 0, 128);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = fuse_fd;
+    sqe->cmd_op = cmd_op;
+    sqe->addr = (uint64_t)(uintptr_t)iov; /* read by the kernel during io_uring_enter only */
+    sqe->len = 2;
+    struct ck_uring_cmd_req req = {.commit_id = commit_id, .qid = qid};
+    memcpy(sqe->cmd, &req, sizeof(req));
+    r->sq_array[idx] = idx;
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    for (;;) {
+        long n = syscall(__NR_io_uring_enter, r->fd, 1, 0, 0, NULL, 0);
+        if (n == 1)
+            return 0;
+        if (n < 0 && errno == EINTR)
+            continue;
+        return n < 0 ? -errno : -EIO;
+    }
+}
+
+/* The next completion's result: wait if block, else -EAGAIN when there is none. -EINTR when
+ * a signal came in while waiting. */
+static int ring_reap(struct ring *r, int block)
+{
+    for (;;) {
+        unsigned head = *r->cq_head;
+        if (head != __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE)) {
+            int res = r->cqes[head & *r->cq_mask].res;
+            __atomic_store_n(r->cq_head, head + 1, __ATOMIC_RELEASE);
+            return res;
+        }
+        /* with DEFER_TASKRUN completions are posted only inside io_uring_enter */
+        long n = syscall(__NR_io_uring_enter, r->fd, 0, block ? 1 : 0, IORING_ENTER_GETEVENTS, NULL, 0);
+        if (n < 0 && errno == EINTR)
+            return -EINTR;
+        if (n < 0)
+            return -errno;
+        if (!block && *r->cq_head == __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE))
+            return -EAGAIN;
+    }
+}
+
+static __thread struct ring *this_ring;
+
+/* The session's writev: a reply to the request this ring thread serves goes into its ring
+ * entry; anything else (replies read from /dev/fuse, notifications) to /dev/fuse. */
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    (void)userdata;
+    struct ring *r = this_ring;
+    const struct ck_fuse_out_header *out = iov[0].iov_base;
+    if (r == NULL || count < 1 || iov[0].iov_len != sizeof(*out) || out->unique == 0 || out->unique != r->unique)
+        return writev(fd, iov, count);
+    memcpy(r->hdr->in_out, out, sizeof(*out));
+    char *payload = r->buf + RING_HEADROOM;
+    size_t n = 0;
+    for (int i = 1; i < count; i++) {
+        if (iov[i].iov_len > r->payload_len - n) {
+            errno = EINVAL; /* larger than any reply the kernel accepts */
+            return -1;
+        }
+        memmove(payload + n, iov[i].iov_base, iov[i].iov_len);
+        n += iov[i].iov_len;
+    }
+    r->hdr->ring_ent_in_out.payload_sz = (uint32_t)n;
+    r->replied = 1;
+    return (ssize_t)(sizeof(*out) + n);
+}
+
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    (void)userdata;
+    return read(fd, buf, len);
+}
+
+/* A READ reply libfuse spliced into a pipe (header, then data): into the ring entry, or on to
+ * /dev/fuse. */
+static ssize_t io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout, size_t len, unsigned flags,
+                              void *userdata)
+{
+    (void)userdata;
+    struct ring *r = this_ring;
+    if (r == NULL)
+        return splice(fdin, offin, fdout, offout, len, flags);
+    struct ck_fuse_out_header out;
+    size_t got = 0;
+    while (got < sizeof(out)) {
+        ssize_t n = read(fdin, (char *)&out + got, sizeof(out) - got);
+        if (n <= 0)
+            return -1;
+        got += (size_t)n;
+    }
+    size_t data = len - sizeof(out);
+    if (out.unique != r->unique || data > r->payload_len) {
+        errno = EINVAL;
+        return -1;
+    }
+    char *payload = r->buf + RING_HEADROOM;
+    got = 0;
+    while (got < data) {
+        ssize_t n = read(fdin, payload + got, data - got);
+        if (n <= 0)
+            return -1;
+        got += (size_t)n;
+    }
+    memcpy(r->hdr->in_out, &out, sizeof(out));
+    r->hdr->ring_ent_in_out.payload_sz = (uint32_t)data;
+    r->replied = 1;
+    return (ssize_t)len;
+}
+
+static const struct fuse_custom_io ring_io = {
+    .writev = io_writev, .read = io_read, .splice_send = io_splice_send,
+};
+
+/* A CPU list file of sysfs ("0-3,8,10-11") into set (CPUs < max); the highest CPU + 1, or 0. */
+static int read_cpu_list(const char *file, unsigned char *set, int max)
+{
+    FILE *f = fopen(file, "re");
+    int last = -1, a, b, c;
+    if (f == NULL)
+        return 0;
+    while (fscanf(f, "%d", &a) == 1) {
+        b = a;
+        c = fgetc(f);
+        if (c == '-') {
+            if (fscanf(f, "%d", &b) != 1)
+                break;
+            c = fgetc(f);
+        }
+        for (int i = a; i <= b && i < max; i++)
+            if (i >= 0)
+                set[i] = 1;
+        if (b > last)
+            last = b;
+        if (c != ',')
+            break;
+    }
+    fclose(f);
+    return last + 1;
+}
+
+/* Whether this kernel lets a FUSE daemon use io_uring (the fuse module's enable_uring). */
+static int uring_enabled(void)
+{
+    FILE *f = fopen("/sys/module/fuse/parameters/enable_uring", "re");
+    if (f == NULL)
+        return 0;
+    int c = fgetc(f);
+    fclose(f);
+    return c == 'Y' || c == '1';
+}
+
+static void *ring_main(void *arg)
+{
+    struct worker *w = arg;
+    Session *s = w->s;
+    sigset_t wake = wake_set();
+    struct ring r;
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    CPU_SET(w->qid, &cpus);
+    /* Outside the CPUs this process may use (a cpuset), the thread runs anywhere: slower, not
+     * wrong. */
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(cpus), &cpus);
+    int first = -EAGAIN; /* what REGISTER completed with, if it did at once */
+    int rc = ring_open(&r, s->ring_payload_len);
+    if (rc == 0) {
+        rc = ring_submit(&r, s->fd, CK_URING_CMD_REGISTER, 0, (uint16_t)w->qid);
+        if (rc == 0) {
+            /* A refused REGISTER completes at once; an accepted one when a request comes,
+             * which may already be the case. */
+            first = ring_reap(&r, 0);
+            if (first < 0 && first != -EAGAIN && first != -EINTR)
+                rc = first;
+        }
+    }
+    pthread_mutex_lock(&s->lock);
+    if (rc != 0 && s->ring_error == 0)
+        s->ring_error = -rc;
+    w->registered = rc == 0;
+    s->rings_pending--;
+    pthread_cond_broadcast(&s->ended);
+    pthread_mutex_unlock(&s->lock);
+    if (rc != 0)
+        goto out;
+
+    PyGILState_STATE gil = PyGILState_Ensure();
+    w->ts = PyThreadState_Get();
+    (void)PyEval_SaveThread();
+    this_worker = w;
+    this_ring = &r;
+    int registering = 1; /* the last command was a REGISTER: its failure ends the thread */
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        w->reading = !s->exiting;
+        pthread_mutex_unlock(&s->lock);
+        if (!w->reading)
+            break;
+        pthread_sigmask(SIG_UNBLOCK, &wake, NULL);
+        int res;
+        if (first >= 0) {
+            res = first;
+            first = -EAGAIN;
+        } else {
+            res = s->exiting ? -EINTR : ring_reap(&r, 1);
+        }
+        pthread_sigmask(SIG_BLOCK, &wake, NULL);
+        pthread_mutex_lock(&s->lock);
+        w->reading = 0;
+        pthread_mutex_unlock(&s->lock);
+        if (res == -EINTR)
+            continue;
+        if (res >= 0)
+            registering = 0;
+        else if (!registering && (res == -ENOENT || res == -EIO || res == -EINVAL)) {
+            /* The kernel no longer had the request this commit answered: the entry went with
+             * it. Register the buffers again as a new entry. */
+            if (ring_submit(&r, s->fd, CK_URING_CMD_REGISTER, 0, (uint16_t)w->qid) != 0)
+                break;
+            registering = 1;
+            continue;
+        }
+        if (res < 0)
+            break; /* ENOTCONN, ECONNABORTED: unmounted or aborted; ECANCELED: the ring is going away */
+        const struct ck_fuse_in_header *in = (const void *)r.hdr->in_out;
+        uint32_t payload_sz = r.hdr->ring_ent_in_out.payload_sz;
+        uint64_t commit_id = r.hdr->ring_ent_in_out.commit_id;
+        size_t fixed = (size_t)in->len - sizeof(*in) - payload_sz; /* op_in's share of len */
+        r.unique = in->unique;
+        r.replied = 0;
+        uint32_t opcode = in->opcode;
+        uint64_t started = now_ns();
+        w->gil_ns = 0;
+        if (in->len >= sizeof(*in) + payload_sz && fixed <= sizeof(r.hdr->op_in) && payload_sz <= r.payload_len) {
+            char *start = r.buf + RING_HEADROOM - sizeof(*in) - fixed;
+            memcpy(start, in, sizeof(*in));
+            memcpy(start + sizeof(*in), r.hdr->op_in, fixed);
+            struct fuse_buf b = {.size = in->len, .mem = start};
+            fuse_session_process_buf(s->se, &b);
+        }
+        if (!r.replied) { /* a malformed request, or none of libfuse's replies went out */
+            struct ck_fuse_out_header out = {.len = sizeof(out), .error = -EIO, .unique = r.unique};
+            memcpy(r.hdr->in_out, &out, sizeof(out));
+            r.hdr->ring_ent_in_out.payload_sz = 0;
+        }
+        account(s, opcode, now_ns() - started, w->gil_ns);
+        __atomic_fetch_add(&s->ring_requests, 1, __ATOMIC_RELAXED);
+        if (ring_submit(&r, s->fd, CK_URING_CMD_COMMIT_AND_FETCH, commit_id, (uint16_t)w->qid) != 0)
+            break;
+    }
+    this_ring = NULL;
+    this_worker = NULL;
+    PyEval_RestoreThread(w->ts);
+    PyGILState_Release(gil);
+out:
+    ring_close(&r);
+    pthread_mutex_lock(&s->lock);
+    s->n_rings_running--;
+    pthread_cond_broadcast(&s->ended);
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+/* After INIT's reply: ring_entries ring threads for each online CPU's queue (one for a CPU that
+ * is possible but offline: the kernel wants every queue served before it uses any), and wait
+ * until each has registered its entry (or failed). Sets s->ring_active: every queue has one. */
+#define MAX_CPUS 4096
+static void start_rings(Session *s)
+{
+    static unsigned char possible[MAX_CPUS], online[MAX_CPUS];
+    int ncpu = read_cpu_list("/sys/devices/system/cpu/possible", possible, MAX_CPUS);
+    read_cpu_list("/sys/devices/system/cpu/online", online, MAX_CPUS);
+    if (ncpu <= 0 || ncpu > MAX_CPUS) {
+        s->ring_error = ENOTSUP;
+        return;
+    }
+    /* the kernel's largest payload: max_write, max_pages pages (libfuse asks for up to 1 MiB) */
+    s->ring_payload_len = (size_t)(1 << 20) + (size_t)sysconf(_SC_PAGESIZE);
+    sigset_t block = blocked_in_workers(), old;
+    pthread_mutex_lock(&s->lock);
+    for (int q = 0; q < ncpu && s->ring_error == 0; q++) {
+        int threads = online[q] ? s->ring_entries : 1;
+        for (int k = 0; k < threads; k++) {
+            struct worker *w = calloc(1, sizeof(*w));
+            if (w == NULL) {
+                s->ring_error = ENOMEM;
+                break;
+            }
+            w->s = s;
+            w->qid = q;
+            pthread_sigmask(SIG_BLOCK, &block, &old);
+            int rc = pthread_create(&w->tid, NULL, ring_main, w);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            if (rc != 0) {
+                free(w);
+                s->ring_error = rc;
+                break;
+            }
+            w->next = s->rings;
+            s->rings = w;
+            s->rings_pending++;
+            s->n_rings_running++;
+        }
+    }
+    while (s->rings_pending > 0)
+        pthread_cond_wait(&s->ended, &s->lock);
+    /* The kernel switches to the queues once each has an entry, even if some threads failed. */
+    int served = 0;
+    for (int q = 0; q < ncpu; q++) {
+        int has = 0;
+        for (struct worker *w = s->rings; w != NULL && !has; w = w->next)
+            has = w->qid == q && w->registered;
+        served += has;
+    }
+    s->ring_active = served == ncpu;
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* With s->lock held: signal every ring thread waiting for a request. */
+static void wake_rings(Session *s)
+{
+    for (struct worker *w = s->rings; w != NULL; w = w->next)
+        if (w->reading)
+            pthread_kill(w->tid, WAKE_SIGNAL);
+}
+
 /* ---- the Session type ----------------------------------------------------------------------- */
 
 static int Session_init(Session *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"ops", "mountpoint", "options", "passthrough", "writeback_cache",
                              "atomic_o_trunc", "direct_io_mmap", "export_support", "max_threads",
-                             "max_backing_stack_depth", "user_xattrs_only", "splice_write", NULL};
+                             "max_backing_stack_depth", "user_xattrs_only", "splice_write", "io_uring",
+                             "ring_threads_per_cpu", NULL};
     PyObject *ops, *options;
     const char *mountpoint;
     int passthrough = 0, writeback = 1, atomic = 1, dio_mmap = 0, export_support = 1, max_threads = 64;
-    int user_xattrs_only = 0, splice_write = 0;
+    int user_xattrs_only = 0, splice_write = 0, io_uring = 0, ring_entries = 8;
     unsigned int depth = 1;
     if (self->se != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "session already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIpp", kwlist, &ops, &mountpoint, &options,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIpppi", kwlist, &ops, &mountpoint, &options,
                                      &passthrough, &writeback, &atomic, &dio_mmap, &export_support,
-                                     &max_threads, &depth, &user_xattrs_only, &splice_write))
+                                     &max_threads, &depth, &user_xattrs_only, &splice_write, &io_uring,
+                                     &ring_entries))
         return -1;
+    if (ring_entries < 1 || ring_entries > 64) {
+        PyErr_SetString(PyExc_ValueError, "ring_threads_per_cpu must be 1..64");
+        return -1;
+    }
     if (max_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "max_threads must be at least 1");
         return -1;
@@ -1481,6 +2011,8 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     self->max_backing_stack_depth = depth;
     self->user_xattrs_only = user_xattrs_only;
     self->want_splice_write = splice_write;
+    self->want_ring = io_uring && uring_enabled();
+    self->ring_entries = ring_entries;
 
     PyObject *seq = PySequence_Fast(options, "options must be a sequence of str");
     if (seq == NULL)
@@ -1536,9 +2068,14 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     self->se = se;
     self->mounted = 1;
     self->fd = fuse_session_fd(se);
+    /* Replies to requests taken from a ring go back through it (io_writev); INIT, which
+     * decides whether splice is used, has not come yet. */
+    if (self->want_ring && fuse_session_custom_io(se, &ring_io, sizeof(ring_io), self->fd) != 0)
+        self->want_ring = 0;
     pthread_mutex_init(&self->lock, NULL);
     pthread_cond_init(&self->ended, NULL);
     pthread_mutex_init(&self->dir_attrs_lock, NULL);
+    pthread_mutex_init(&self->forget_lock, NULL);
 
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
@@ -1567,8 +2104,10 @@ static PyObject *Session_run(Session *self, PyObject *unused)
             /* A wake signal can slip in between a worker's check and its read(2): repeat it
              * while exiting. Otherwise wake up now and then for Python's signal handlers,
              * which only run when the main thread runs Python (run() may be called there). */
-            if (self->exiting)
+            if (self->exiting) {
                 wake_readers(self);
+                wake_rings(self);
+            }
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
             until.tv_nsec += (self->exiting ? 50 : 200) * 1000 * 1000;
@@ -1580,6 +2119,8 @@ static PyObject *Session_run(Session *self, PyObject *unused)
             if (!self->exiting && self->n_running > 0 && signalled == NULL) {
                 pthread_mutex_unlock(&self->lock); /* (exit() takes the GIL, then the lock) */
                 Py_BLOCK_THREADS
+                if (__atomic_load_n(&self->n_forgets, __ATOMIC_RELAXED) != 0)
+                    flush_forgets(self);
                 if (PyErr_CheckSignals() < 0) {
                     PyObject *type, *tb;
                     PyErr_Fetch(&type, &signalled, &tb);
@@ -1605,6 +2146,28 @@ static PyObject *Session_run(Session *self, PyObject *unused)
     }
     for (struct worker *w = self->workers; w != NULL; w = w->next)
         pthread_join(w->tid, NULL);
+    /* The ring threads end when the connection does (their commands complete with ENOTCONN),
+     * or, after exit(), at the wake signal. */
+    pthread_mutex_lock(&self->lock);
+    self->exiting = 1;
+    while (self->n_rings_running > 0) {
+        wake_rings(self);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 50 * 1000 * 1000;
+        if (until.tv_nsec >= 1000000000) {
+            until.tv_sec += 1;
+            until.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&self->ended, &self->lock, &until);
+    }
+    pthread_mutex_unlock(&self->lock);
+    while (self->rings != NULL) {
+        struct worker *w = self->rings;
+        self->rings = w->next;
+        pthread_join(w->tid, NULL);
+        free(w);
+    }
     while (self->workers != NULL) {
         struct worker *w = self->workers;
         self->workers = w->next;
@@ -1613,6 +2176,7 @@ static PyObject *Session_run(Session *self, PyObject *unused)
     }
     self->n_workers = self->n_idle = 0;
     Py_END_ALLOW_THREADS
+    flush_forgets(self); /* what came last (the core's release_all and recovery see the rest) */
     self->running = 0;
     int error = self->error;
     self->exiting = 0;
@@ -1638,6 +2202,7 @@ static PyObject *Session_exit(Session *self, PyObject *unused)
     self->exiting = 1;
     fuse_session_exit(self->se);
     wake_readers(self);
+    wake_rings(self);
     pthread_cond_broadcast(&self->ended);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
@@ -1668,6 +2233,9 @@ static void session_free(Session *self)
             while (self->dir_attrs[b] != NULL)
                 dir_attrs_drop(self, &self->dir_attrs[b]);
         pthread_mutex_destroy(&self->dir_attrs_lock);
+        pthread_mutex_destroy(&self->forget_lock);
+        free(self->forgets);
+        self->forgets = NULL;
     }
 }
 
@@ -1707,6 +2275,14 @@ static PyObject *Session_get_pt(Session *self, void *c) { (void)c; return PyBool
 static PyObject *Session_get_wb(Session *self, void *c) { (void)c; return PyBool_FromLong(self->writeback_granted); }
 static PyObject *Session_get_dm(Session *self, void *c) { (void)c; return PyBool_FromLong(self->dio_mmap_granted); }
 static PyObject *Session_get_mr(Session *self, void *c) { (void)c; return PyLong_FromUnsignedLong(self->splice_max_read); }
+static PyObject *Session_get_ring(Session *self, void *c) { (void)c; return PyBool_FromLong(self->ring_active); }
+static PyObject *Session_get_ring_error(Session *self, void *c) { (void)c; return PyLong_FromLong(self->ring_error); }
+static PyObject *Session_get_ring_requests(Session *self, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->ring_requests, __ATOMIC_RELAXED));
+}
+static PyObject *Session_get_ring_wanted(Session *self, void *c) { (void)c; return PyBool_FromLong(self->want_ring); }
 static PyObject *Session_get_dir_attr_hits(Session *self, void *c)
 {
     (void)c;
@@ -1789,6 +2365,10 @@ static PyGetSetDef Session_getset[] = {
     {"direct_io_mmap_granted", (getter)Session_get_dm, NULL, "INIT negotiated FUSE_DIRECT_IO_ALLOW_MMAP", NULL},
     {"splice_max_read", (getter)Session_get_mr, NULL, "0, or the max_read mount option that keeps each READ reply within one pipe (see splice_max_read)", NULL},
     {"threads", (getter)Session_get_threads, NULL, "worker threads started", NULL},
+    {"io_uring_active", (getter)Session_get_ring, NULL, "requests come through io_uring rings (set once INIT was replied)", NULL},
+    {"io_uring_error", (getter)Session_get_ring_error, NULL, "0, or the errno that kept the rings from being set up", NULL},
+    {"io_uring_requests", (getter)Session_get_ring_requests, NULL, "requests served from the io_uring queues", NULL},
+    {"io_uring_wanted", (getter)Session_get_ring_wanted, NULL, "rings were asked for and the kernel allows them (enable_uring)", NULL},
     {"dir_attr_hits", (getter)Session_get_dir_attr_hits, NULL, "GETATTRs answered from a directory's attributes kept after a change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -251,6 +251,13 @@ atexit.register(_kill_leftover_gateways)
 # elsewhere mounts run the writeback path, as ``data_path`` below says.
 DATA_PATHS = ["writeback", "passthrough"]
 
+# How the mounts take FUSE requests (``--fuse-io-uring``): /dev/fuse alone unless
+# CKPTFS_TEST_FUSE_IO_URING says otherwise (``on`` runs every mounted test through the io_uring
+# queues; the fuse module's enable_uring parameter must be on). Not left to ``auto``, so that what
+# the suite runs does not depend on the machine. tests/test_mount_io_uring.py covers the queues
+# in the default run.
+FUSE_IO_URING = os.environ.get("CKPTFS_TEST_FUSE_IO_URING", "off")
+
 
 def both_data_paths(request) -> str:
     """Body of a module's ``data_path`` fixture parametrized over DATA_PATHS."""
@@ -300,9 +307,10 @@ class Gateway:
                 *self.extra_args]
 
     def mode_args(self) -> list[str]:
+        args = [] if "--fuse-io-uring" in self.extra_args else ["--fuse-io-uring", FUSE_IO_URING]
         if self.data_path is None or "--data-path" in self.extra_args:
-            return []
-        return ["--data-path", self.data_path]
+            return args
+        return [*args, "--data-path", self.data_path]
 
     def start(self, timeout: float = 30.0) -> "Gateway":
         self.runs += 1

@@ -26,6 +26,7 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
         "metrics_addr": args.metrics_addr,
         "allow_other": args.allow_other,
         "data_path": args.data_path,
+        "fuse_io_uring": args.fuse_io_uring,
         "cache_max_size": args.cache_max_size,
         "cache_high_watermark": args.cache_high_watermark,
         "cache_low_watermark": args.cache_low_watermark,
@@ -91,6 +92,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-path", choices=["auto", "passthrough", "writeback"],
                    help="file data path: FUSE passthrough, the writeback cache, or auto (passthrough "
                         "when available; default)")
+    p.add_argument("--fuse-io-uring", choices=["auto", "on", "off"],
+                   help="FUSE requests through io_uring queues, one per CPU: auto (when the kernel offers "
+                        "them: the fuse module's enable_uring parameter; default), on (refuse to mount "
+                        "otherwise) or off (/dev/fuse only)")
     p.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9810)")
     p.add_argument("--allow-other", dest="allow_other", action="store_true", default=None,
                    help="let other users access the mount (default when root)")

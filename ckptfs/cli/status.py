@@ -8,6 +8,8 @@ field                               meaning
 ``bucket_url``, ``cache_dir``       what this cache drains to, and where it is
 ``data_path``                       the gateway's data path: ``passthrough`` or ``writeback``
                                     (null when no gateway has recorded one)
+``fuse_transport``                  how FUSE requests reach the gateway: ``io_uring`` (a queue
+                                    per CPU) or ``dev_fuse``
 ``gateway_pid``, ``drain_pid``      the processes working on the cache (null: none)
 ``pending_files``                   files and directories whose bucket object does not match yet
 ``pending_bytes``                   bytes still to upload (moves cost none)
@@ -212,6 +214,7 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "bucket_url": settings.get("bucket_url"),
         "cache_dir": cache.root,
         "data_path": gateway.get("data_path") if gateway_pid else None,
+        "fuse_transport": gateway.get("fuse_transport") if gateway_pid else None,
         "gateway_pid": gateway_pid,
         "drain_pid": cache.drain_pid(),
         "pending_files": len(backlog.files),
@@ -257,7 +260,8 @@ def render(report: dict, width: int = 80):
     cache = report["cache"]
     summary.add_row("bucket", str(report["bucket_url"]))
     summary.add_row("cache", f"{report['cache_dir']}  gateway pid {report['gateway_pid'] or '-'}  "
-                             f"drain pid {report['drain_pid'] or '-'}  data path {report['data_path'] or '-'}")
+                             f"drain pid {report['drain_pid'] or '-'}  data path {report['data_path'] or '-'}  "
+                             f"requests via {report['fuse_transport'] or '-'}")
     summary.add_row("backlog", f"{report['pending_files']} files, {human_bytes(report['pending_bytes'])}, "
                                f"{report['pending_deletes']} deletes; oldest waiting "
                                f"{_seconds(report['oldest_pending_age_seconds'])}")
