@@ -37,6 +37,7 @@ BUCKET = "s3://ckpt-bucket/runs"
 METRIC_CONTRACT = {
     "ckptfs_build_info": "gauge",
     "ckptfs_data_path": "gauge",
+    "ckptfs_fuse_transport": "gauge",
     "ckptfs_dirty_files": "gauge",
     "ckptfs_dirty_bytes": "gauge",
     "ckptfs_oldest_dirty_age_seconds": "gauge",
@@ -61,7 +62,7 @@ METRIC_CONTRACT = {
 # The settings ckptfs accepts in its TOML file (it refuses any other key); the chart renders a subset.
 CKPTFS_TOML_KEYS = {
     "": {"bucket_url", "endpoint_url", "region"},
-    "mount": {"fsync", "metrics_addr", "allow_other", "endpoint_url", "region"},
+    "mount": {"fsync", "metrics_addr", "allow_other", "endpoint_url", "region", "fuse_io_uring"},
     "cache": {"dir", "max_size", "high_watermark", "low_watermark", "backpressure_timeout"},
     "drain": {"settle_seconds", "part_size", "concurrency", "markers", "checksum", "sign_payload"},
 }
@@ -88,6 +89,7 @@ EVERYTHING = {
     "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
                 "dashboard": {"enabled": True}},
     "probes": {"liveness": {"enabled": True}},
+    "mount": {"path": "/mnt/ckpt", "enableKernelIoUring": True},
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "nodeSelector": {"nvidia.com/gpu.present": "true"},
     "resources": {"requests": {"cpu": "2", "memory": "2Gi"}, "limits": {"memory": "8Gi"}},
@@ -243,6 +245,17 @@ def test_gateway_is_privileged_with_dev_fuse_cache_and_propagated_mount(helm, tm
     init = pod["initContainers"][0]
     assert "/mnt/ckpt" in init["command"] and init["volumeMounts"][0]["name"] == m["name"]
     assert "privileged" not in init.get("securityContext", {})
+    assert [i["name"] for i in pod["initContainers"]] == ["mountpoint"]
+
+
+def test_fuse_io_uring_setting_and_kernel_parameter(helm, tmp_path):
+    assert ckptfs_toml(render(helm, tmp_path))["mount"]["fuse_io_uring"] == "auto"
+    docs = render(helm, tmp_path, {"mount": {"path": "/mnt/ckpt", "fuseIoUring": "on", "enableKernelIoUring": True}})
+    assert ckptfs_toml(docs)["mount"]["fuse_io_uring"] == "on"
+    inits = {i["name"]: i for i in one(docs, "DaemonSet")["spec"]["template"]["spec"]["initContainers"]}
+    kernel = inits["fuse-io-uring"]
+    assert kernel["securityContext"]["privileged"] is True  # /sys is read-only otherwise
+    assert "echo Y > /sys/module/fuse/parameters/enable_uring" in kernel["command"][-1]
 
 
 def test_gateway_command_and_placement(helm, tmp_path):
@@ -339,6 +352,7 @@ def test_schema_refuses_inline_credentials(helm, tmp_path, s3_extra):
     ({"drain": {"concurency": 4}}, ["/drain", "concurency"]),                           # misspelled nested key
     ({"lifecycle": {"rules": {"keep_lastest": 3}}}, ["/lifecycle/rules", "keep_lastest"]),
     ({"mount": {"fsync": "sometimes"}}, ["/mount/fsync"]),
+    ({"mount": {"fuseIoUring": "yes"}}, ["/mount/fuseIoUring"]),
     ({"drain": {"checksum": "crc16"}}, ["/drain/checksum"]),
     ({"shutdown": {"drainTimeoutSeconds": -5}}, ["/shutdown/drainTimeoutSeconds"]),
     ({"s3": {"bucketUrl": "https://bucket.s3.amazonaws.com/x"}}, ["/s3/bucketUrl"]),
@@ -359,7 +373,7 @@ def test_schema_refuses_bad_values_naming_the_key(helm, tmp_path, bad, names):
 def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
     docs = render(helm, tmp_path, {
         "s3": {"endpointUrl": "http://rgw:7480", "region": "eu-west-1"},
-        "mount": {"fsync": "remote", "allowOther": False},
+        "mount": {"fsync": "remote", "allowOther": False, "fuseIoUring": "on"},
         "cache": {"hostPath": "/nvme0/ckptfs", "maxSize": "1500GiB", "highWatermark": 0.85, "lowWatermark": 0.7,
                   "backpressureTimeoutSeconds": 120},
         "drain": {"settleSeconds": 2.5, "partSize": "128MiB", "concurrency": 16, "checksum": "crc64nvme",
@@ -376,7 +390,7 @@ def test_config_toml_parses_and_holds_only_known_settings(helm, tmp_path):
     assert conf["bucket_url"] == BUCKET
     assert conf["endpoint_url"] == "http://rgw:7480"
     assert conf["region"] == "eu-west-1"
-    assert conf["mount"] == {"fsync": "remote", "allow_other": False}
+    assert conf["mount"] == {"fsync": "remote", "allow_other": False, "fuse_io_uring": "on"}
     assert conf["cache"] == {"dir": "/nvme0/ckptfs", "max_size": "1500GiB", "high_watermark": 0.85,
                              "low_watermark": 0.7, "backpressure_timeout": 120.0}
     assert conf["drain"] == {"settle_seconds": 2.5, "part_size": "128MiB", "concurrency": 16,
