@@ -1,8 +1,12 @@
 """Write-path benchmark: a plain directory against ckptfs mounts, same disk, same run.
 
-Two mounts run side by side (``--mounts``): one on the passthrough data path
+Mounts run side by side (``--mounts``): one on the passthrough data path
 (``--data-path passthrough``: the kernel writes the cache file itself) and one on the
-fallback writeback-cache path (``--data-path writeback``: the gateway serves WRITE).
+fallback writeback-cache path (``--data-path writeback``: the gateway serves WRITE), both
+taking FUSE requests through /dev/fuse; where the kernel offers FUSE over io_uring
+(``/sys/module/fuse/parameters/enable_uring``), a third, ``passthrough+uring``, takes them
+through the io_uring queues (``--fuse-io-uring on``). A ``--mounts`` entry is a data path,
+with ``+uring`` for the queues.
 
 Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``rename``]):
 
@@ -297,7 +301,7 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
     """
     plain = os.path.join(workdir, "meta-plain")
     os.makedirs(plain, exist_ok=True)
-    mounts = {m: Mount(os.path.join(workdir, f"meta-{m}"), settle_seconds=None, extra_args=["--data-path", m])
+    mounts = {m: Mount(os.path.join(workdir, f"meta-{m}"), settle_seconds=None, extra_args=mount_args(m))
               for m in modes}
     sides = ["plain", *modes]
     results: dict[str, dict[str, list[float]]] = {side: {p: [] for p in META_PHASES} for side in sides}
@@ -335,14 +339,14 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
                 f"{side} " + "/".join(f"{results[side][p][-1]:.0f}" for p in META_PHASES) for side in sides),
                 flush=True)
         print(f"  load average at end: {_loadavg()}")
-        print(f"{'side':<12} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
+        print(f"{'side':<18} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
         for side in sides:
-            print(f"{side:<12} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
+            print(f"{side:<18} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
         print("load-independent figures (medians over the rounds): FUSE requests per operation,"
               " gateway CPU us per operation")
-        print(f"{'side':<12} " + " ".join(f"{p + ' req/op  CPU us/op':>30}" for p in META_PHASES))
+        print(f"{'side':<18} " + " ".join(f"{p + ' req/op  CPU us/op':>30}" for p in META_PHASES))
         for m in modes:
-            print(f"{m:<12} " + " ".join(
+            print(f"{m:<18} " + " ".join(
                 f"{statistics.median(c[0] for c in cost[m][p]):>19.2f} {statistics.median(c[1] for c in cost[m][p]):>10.0f}"
                 for p in META_PHASES))
         for m in modes:
@@ -430,6 +434,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def uring_offered() -> bool:
+    """The kernel lets FUSE daemons take requests through io_uring (fuse.enable_uring)."""
+    try:
+        with open(URING_PARAM) as fh:
+            return fh.read().strip() in ("Y", "1")
+    except OSError:
+        return False
+
+
+def mount_args(spec: str) -> list[str]:
+    """ckptfs mount flags for a ``--mounts`` entry: a data path, ``+uring`` for FUSE requests
+    through the io_uring queues (else /dev/fuse alone)."""
+    data_path, _, transport = spec.partition("+")
+    if transport not in ("", "uring"):
+        raise SystemExit(f"--mounts: {spec!r}: expected DATA_PATH or DATA_PATH+uring")
+    return ["--data-path", data_path, "--fuse-io-uring", "on" if transport else "off"]
 
 
 class Mount:
@@ -609,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="seq,ckpt,torch,meta",
                     help="comma list of seq,ckpt,torch,meta (default all four; torch only if importable)")
     ap.add_argument("--meta-files", type=int, default=2000, help="files of the meta workload (default 2000)")
-    ap.add_argument("--mounts", default="passthrough,writeback",
-                    help="data paths to mount side by side (default passthrough,writeback)")
+    ap.add_argument("--mounts", default=None,
+                    help="data paths to mount side by side, each optionally +uring for FUSE requests through "
+                         "io_uring queues (default passthrough,writeback, and passthrough+uring where the "
+                         f"kernel offers it: {URING_PARAM})")
     ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
     ap.add_argument("--drop-caches", action="store_true", help="sync + drop the page cache before every run")
     ap.add_argument("--drain-live", action="store_true", help="keep the default drain settle window")
@@ -635,9 +662,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.workdir)
     plain = os.path.join(workdir, "plain")
     os.makedirs(plain)
+    if args.mounts is None:
+        args.mounts = "passthrough,passthrough+uring,writeback" if uring_offered() else "passthrough,writeback"
+        if not uring_offered():
+            print(f"(FUSE over io_uring not offered here, {URING_PARAM}: not comparing it)")
     modes = [m for m in args.mounts.split(",") if m]
     mounts = {m: Mount(os.path.join(workdir, m), settle_seconds=None if args.drain_live else 3600,
-                       extra_args=["--data-path", m]) for m in modes}
+                       extra_args=mount_args(m)) for m in modes}
     sides = ["plain", *modes]
     buf = _payload(256 * MIB)
     results: dict[str, dict[str, list[float]]] = {w: {side: [] for side in sides} for w in workloads}
@@ -691,18 +722,18 @@ def main(argv: list[str] | None = None) -> int:
             print("  (could not drop the page cache: not root?)")
         print()
         print(f"load average at end: {_loadavg()}")
-        print(f"{'workload':<24} {'side':<12} {'MB/s med (min..max)':>22}"
+        print(f"{'workload':<24} {'side':<18} {'MB/s med (min..max)':>22}"
               f" {'ratio':>6} {'pair ratios med (min..max)':>28} {'gw CPU s/GiB':>13}")
         for w in workloads if args.rounds > 0 else ():
             p = results[w]["plain"]
             label = {"seq": f"seq {args.size_gib:g} GiB 1MiB+fsync",
                      "ckpt": f"ckpt {args.ckpt_gib:g} GiB tmp+fsync+mv",
                      "torch": f"torch.save {args.ckpt_gib:g} GiB"}[w]
-            print(f"{label:<24} {'plain':<12} {_spread(p):>22}")
+            print(f"{label:<24} {'plain':<18} {_spread(p):>22}")
             for m in modes:
                 r = results[w][m]
                 pairs = [b / a for a, b in zip(p, r)]
-                print(f"{'':<24} {m:<12} {_spread(r):>22} {statistics.median(r) / statistics.median(p):6.2f}"
+                print(f"{'':<24} {m:<18} {_spread(r):>22} {statistics.median(r) / statistics.median(p):6.2f}"
                       f" {statistics.median(pairs):13.2f} ({min(pairs):.2f}..{max(pairs):.2f})"
                       f" {statistics.median(cpu[w][m]):13.2f}")
         rss_sizes = [float(s) for s in args.rss_sizes.split(",") if s.strip()]
