@@ -1904,7 +1904,9 @@ out:
 #define MAX_CPUS 4096
 static void start_rings(Session *s)
 {
-    static unsigned char possible[MAX_CPUS], online[MAX_CPUS];
+    static unsigned char possible[MAX_CPUS], online[MAX_CPUS]; /* (INIT comes once per session) */
+    memset(possible, 0, sizeof(possible));
+    memset(online, 0, sizeof(online));
     int ncpu = read_cpu_list("/sys/devices/system/cpu/possible", possible, MAX_CPUS);
     read_cpu_list("/sys/devices/system/cpu/online", online, MAX_CPUS);
     if (ncpu <= 0 || ncpu > MAX_CPUS) {
