@@ -231,6 +231,16 @@ def choose_data_path(requested: str) -> tuple[str, str]:
 ENABLE_URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
 
 
+def fuse_io_uring_offered() -> bool | None:
+    """Whether the kernel lets FUSE daemons take requests through io_uring (the fuse module's
+    ``enable_uring``); None where the kernel has no such parameter."""
+    try:
+        with open(ENABLE_URING_PARAM) as fh:
+            return fh.read().strip() in ("Y", "1")
+    except OSError:
+        return None
+
+
 def choose_fuse_transport(requested: str) -> tuple[bool, str]:
     """``(want_io_uring, why)`` for ``[mount] fuse_io_uring`` (auto, on, off).
 
@@ -241,11 +251,7 @@ def choose_fuse_transport(requested: str) -> tuple[bool, str]:
     (``on_init_replied`` in :func:`run_foreground` logs it)."""
     if requested == "off":
         return False, "as configured"
-    try:
-        with open(ENABLE_URING_PARAM) as fh:
-            enabled = fh.read().strip() in ("Y", "1")
-    except OSError:
-        enabled = None
+    enabled = fuse_io_uring_offered()
     if enabled:
         return True, "the kernel offers it"
     reason = ("this kernel has no FUSE over io_uring (Linux 6.14+ with CONFIG_FUSE_IO_URING)" if enabled is None

@@ -74,6 +74,8 @@ import tempfile
 import threading
 import time
 
+from ckptfs.gateway.mount import ENABLE_URING_PARAM, fuse_io_uring_offered
+
 MIB = 1 << 20
 GIB = 1 << 30
 BLOCK = MIB
@@ -436,18 +438,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
-
-
-def uring_offered() -> bool:
-    """The kernel lets FUSE daemons take requests through io_uring (fuse.enable_uring)."""
-    try:
-        with open(URING_PARAM) as fh:
-            return fh.read().strip() in ("Y", "1")
-    except OSError:
-        return False
-
-
 def mount_args(spec: str) -> list[str]:
     """ckptfs mount flags for a ``--mounts`` entry: a data path, ``+uring`` for FUSE requests
     through the io_uring queues (else /dev/fuse alone)."""
@@ -637,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mounts", default=None,
                     help="data paths to mount side by side, each optionally +uring for FUSE requests through "
                          "io_uring queues (default passthrough,writeback, and passthrough+uring where the "
-                         f"kernel offers it: {URING_PARAM})")
+                         f"kernel offers it: {ENABLE_URING_PARAM})")
     ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
     ap.add_argument("--drop-caches", action="store_true", help="sync + drop the page cache before every run")
     ap.add_argument("--drain-live", action="store_true", help="keep the default drain settle window")
@@ -663,9 +653,11 @@ def main(argv: list[str] | None = None) -> int:
     plain = os.path.join(workdir, "plain")
     os.makedirs(plain)
     if args.mounts is None:
-        args.mounts = "passthrough,passthrough+uring,writeback" if uring_offered() else "passthrough,writeback"
-        if not uring_offered():
-            print(f"(FUSE over io_uring not offered here, {URING_PARAM}: not comparing it)")
+        if fuse_io_uring_offered():
+            args.mounts = "passthrough,passthrough+uring,writeback"
+        else:
+            args.mounts = "passthrough,writeback"
+            print(f"(FUSE over io_uring not offered here, {ENABLE_URING_PARAM}: not comparing it)")
     modes = [m for m in args.mounts.split(",") if m]
     mounts = {m: Mount(os.path.join(workdir, m), settle_seconds=None if args.drain_live else 3600,
                        extra_args=mount_args(m)) for m in modes}

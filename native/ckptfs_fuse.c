@@ -1776,17 +1776,6 @@ static int read_cpu_list(const char *file, unsigned char *set, int max)
     return last + 1;
 }
 
-/* Whether this kernel lets a FUSE daemon use io_uring (the fuse module's enable_uring). */
-static int uring_enabled(void)
-{
-    FILE *f = fopen("/sys/module/fuse/parameters/enable_uring", "re");
-    if (f == NULL)
-        return 0;
-    int c = fgetc(f);
-    fclose(f);
-    return c == 'Y' || c == '1';
-}
-
 static void *ring_main(void *arg)
 {
     struct worker *w = arg;
@@ -2013,7 +2002,7 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     self->max_backing_stack_depth = depth;
     self->user_xattrs_only = user_xattrs_only;
     self->want_splice_write = splice_write;
-    self->want_ring = io_uring && uring_enabled();
+    self->want_ring = io_uring; /* asked for where the kernel offers it (gateway/mount.py) */
     self->ring_entries = ring_entries;
 
     PyObject *seq = PySequence_Fast(options, "options must be a sequence of str");
@@ -2284,7 +2273,6 @@ static PyObject *Session_get_ring_requests(Session *self, void *c)
     (void)c;
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->ring_requests, __ATOMIC_RELAXED));
 }
-static PyObject *Session_get_ring_wanted(Session *self, void *c) { (void)c; return PyBool_FromLong(self->want_ring); }
 static PyObject *Session_get_dir_attr_hits(Session *self, void *c)
 {
     (void)c;
@@ -2370,7 +2358,6 @@ static PyGetSetDef Session_getset[] = {
     {"io_uring_active", (getter)Session_get_ring, NULL, "requests come through io_uring rings (set once INIT was replied)", NULL},
     {"io_uring_error", (getter)Session_get_ring_error, NULL, "0, or the errno that kept the rings from being set up", NULL},
     {"io_uring_requests", (getter)Session_get_ring_requests, NULL, "requests served from the io_uring queues", NULL},
-    {"io_uring_wanted", (getter)Session_get_ring_wanted, NULL, "rings were asked for and the kernel allows them (enable_uring)", NULL},
     {"dir_attr_hits", (getter)Session_get_dir_attr_hits, NULL, "GETATTRs answered from a directory's attributes kept after a change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
