@@ -2076,6 +2076,19 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+/* With s->lock held: wait until a thread ends, or ms milliseconds. */
+static void wait_ended(Session *s, long ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += ms * 1000 * 1000;
+    if (until.tv_nsec >= 1000000000) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&s->ended, &s->lock, &until);
+}
+
 static PyObject *Session_run(Session *self, PyObject *unused)
 {
     (void)unused;
@@ -2099,14 +2112,7 @@ static PyObject *Session_run(Session *self, PyObject *unused)
                 wake_readers(self);
                 wake_rings(self);
             }
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += (self->exiting ? 50 : 200) * 1000 * 1000;
-            if (until.tv_nsec >= 1000000000) {
-                until.tv_sec += 1;
-                until.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&self->ended, &self->lock, &until);
+            wait_ended(self, self->exiting ? 50 : 200);
             if (!self->exiting && self->n_running > 0 && signalled == NULL) {
                 pthread_mutex_unlock(&self->lock); /* (exit() takes the GIL, then the lock) */
                 Py_BLOCK_THREADS
@@ -2143,14 +2149,7 @@ static PyObject *Session_run(Session *self, PyObject *unused)
     self->exiting = 1;
     while (self->n_rings_running > 0) {
         wake_rings(self);
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += 50 * 1000 * 1000;
-        if (until.tv_nsec >= 1000000000) {
-            until.tv_sec += 1;
-            until.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&self->ended, &self->lock, &until);
+        wait_ended(self, 50);
     }
     pthread_mutex_unlock(&self->lock);
     while (self->rings != NULL) {
