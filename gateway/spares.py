@@ -6,7 +6,8 @@ it skips every inode freed in the last half minute by reading their inode-table 
 performance"). A background thread keeps up to ``target`` empty files in ``CACHE/spare/``,
 each with an open O_RDWR descriptor; a create renames one into ``data/<ino>`` (a rename
 allocates nothing) and uses its descriptor. The allocation still happens, but on the other
-core, between requests.
+core, between requests. The thread is woken only once fewer than half of ``target`` are left,
+and then tops the pool up in one go.
 
 The cache files of removed inodes are recycled instead of being unlinked, up to
 :data:`RECYCLED_MAX` of them: after a checkpoint's files are deleted, the next checkpoint's
@@ -61,6 +62,7 @@ class Spares:
                  sync_removals: Callable[[], None] | None = None):
         self._dir = spare_dir
         self._target = target
+        self._low_water = max(1, target // 2)  # a take that leaves fewer wakes the thread
         self._recycled_max = recycled_max
         # makes every removal committed so far durable (MetaStore.sync); None: no recycling
         self._sync_removals = sync_removals
@@ -104,7 +106,11 @@ class Spares:
                 return None
             spare = self._pool.popleft()
             self.taken += 1
-            self._cond.notify()  # the thread tops the pool up
+            if len(self._pool) < self._low_water:
+                # Woken only here, the thread tops the pool up in one go. Waking it at every
+                # take would cost each create a thread switch on the other CPU, and the GIL
+                # for the thread's own turn (docs/DESIGN.md, "Round 9").
+                self._cond.notify()
             return spare
 
     def recycle(self, path: str) -> bool:

@@ -28,7 +28,10 @@ def test_a_create_takes_a_spare_and_the_pool_is_topped_up(core):
         with open(data_file, "rb") as f:
             assert f.read() == b"hello"
         assert oct(os.stat(data_file).st_mode & 0o777) == oct(0o600)
-        wait_until(lambda: spares.made == 5)  # topped up again
+        for name in (b"g", b"h"):  # fewer than half of the target are left after these
+            core.release(core.create(ROOT, name, 0o644, os.O_RDWR, ROOT_CALLER)[0])
+        assert spares.taken == 3
+        wait_until(lambda: spares.made == 7)  # topped up again, to the target
         assert len(os.listdir(core.cache_dir + "/spare")) == 4
     finally:
         core.close_spares()
