@@ -13,22 +13,25 @@ sees OPEN/CREATE, FLUSH, FSYNC, SETATTR, GETATTR and RELEASE only. So:
   the file's ``(size, mtime, ctime)`` moved since the gateway last looked (:func:`refresh`);
 - *shared mappings*: with passthrough the kernel maps the cache file itself, so a MAP_SHARED
   mapping can outlive the last release and keep changing the cache file. Files released after
-  being open for writing stay *watched* for :data:`WATCH_SECONDS`: :meth:`Backing.sweep`
-  (every :data:`SWEEP_SECONDS`) and the next open compare the cache file's stat with the one
-  persisted; if it moved, the gateway bumps the generation and persists the new size and
-  times (the drain uploads it again). The drain itself refuses to commit an upload whose
+  being open for writing stay *watched* for :data:`WATCH_SECONDS`: the sweep
+  (:meth:`Backing.changed`, every :data:`SWEEP_SECONDS`, comparing each file at doubling
+  intervals) and the next open compare the cache file's stat with the one persisted; if it
+  moved, the gateway bumps the generation and persists the new size and times (the drain
+  uploads it again). The drain itself refuses to commit an upload whose
   source's (size, mtime, ctime) moved during it (``drain/upload.py``). docs/SEMANTICS.md says
   what this does and does not cover.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:
     from .files import OpenFile
@@ -36,7 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptfs.datapath")
 
 WATCH_SECONDS = 3600.0  # how long a released, written file's cache file stays watched
-SWEEP_SECONDS = 1.0  # how often the watched files are compared
+SWEEP_SECONDS = 1.0  # how often the sweep runs: a file is compared at the first after its release...
+SWEEP_INTERVAL_MAX = 64.0  # ...then, while unchanged, at doubling intervals up to this
+SWEEP_BUDGET = 2_000  # files compared per sweep at most (about 10 ms of one CPU)
 WATCH_MAX = 100_000  # the oldest are dropped beyond this
 
 
@@ -73,14 +78,36 @@ def align(of: OpenFile, atime_ns: int, mtime_ns: int) -> None:
 
 
 @dataclass
+class _Watch:
+    """A released, written file whose cache file a shared mapping may still change."""
+
+    path: str  # its cache file
+    sid: tuple  # the stat_id last persisted
+    since: float  # released at (monotonic seconds)
+    due: float  # compared at the first sweep at or after this
+    interval: float  # then, if unchanged, again this much later (doubling up to the max)
+    seq: int  # of its entry in the due heap (older entries of the inode are stale)
+
+
+@dataclass
 class Backing:
-    """Passthrough mode of one gateway: how to open/close backing ids, and the watch list."""
+    """Passthrough mode of one gateway: how to open/close backing ids, and the watch list.
+
+    The watch list's cost must not grow with the number of files written in the last hour:
+    a checkpoint run writes tens of thousands, and comparing each of them every second took a
+    third of a CPU at 60,000 (docs/DESIGN.md, "Round 9"). A file is compared at the first
+    sweep after its release, then at doubling intervals up to :data:`SWEEP_INTERVAL_MAX`
+    (a file that moved is compared again at the base interval), the longest-due first and at
+    most :data:`SWEEP_BUDGET` per sweep.
+    """
 
     open_id: Callable[[int], int]  # fd -> backing id (passthrough.open_backing)
     close_id: Callable[[int], None]  # passthrough.close_backing
-    # ino -> (cache path, persisted stat_id, released at monotonic seconds)
-    watched: dict[int, tuple[str, tuple, float]] = field(default_factory=dict)
+    watched: dict[int, _Watch] = field(default_factory=dict)  # ino -> watch, oldest first
     lock: threading.Lock = field(default_factory=threading.Lock)
+    clock: Callable[[], float] = time.monotonic  # (tests move it on)
+    _due: list[tuple[float, int, int]] = field(default_factory=list)  # heap of (due, seq, ino)
+    _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def attach(self, of: OpenFile) -> None:
         """First open of an inode: register its cache file; the id serves every open after."""
@@ -102,43 +129,71 @@ class Backing:
                 log.warning("closing backing id %d of inode %d: %s", bid, of.ino, exc)
 
     def watch(self, ino: int, path: str, sid: tuple) -> None:
+        """Watch a file just released after being open for writing: compared at the next sweep."""
         with self.lock:
             self.watched.pop(ino, None)
-            self.watched[ino] = (path, sid, time.monotonic())
+            now = self.clock()
+            entry = _Watch(path, sid, now, now, SWEEP_SECONDS, 0)
+            self.watched[ino] = entry
+            self._schedule(ino, entry)
             while len(self.watched) > WATCH_MAX:
                 self.watched.pop(next(iter(self.watched)))
+
+    def _schedule(self, ino: int, entry: _Watch) -> None:
+        """Put ``entry`` in the due heap (call with ``lock``); drop the stale entries of
+        unwatched or rescheduled files once they outnumber the live ones."""
+        entry.seq = next(self._seq)
+        heapq.heappush(self._due, (entry.due, entry.seq, ino))
+        if len(self._due) > 2 * len(self.watched) + 1024:
+            self._due = [(w.due, w.seq, i) for i, w in self.watched.items()]
+            heapq.heapify(self._due)
 
     def unwatch(self, ino: int) -> tuple | None:
         """Stop watching ``ino``; its persisted stat_id, if it was watched."""
         with self.lock:
             entry = self.watched.pop(ino, None)
-        return entry[1] if entry else None
+        return entry.sid if entry else None
 
     def rebase(self, ino: int, st: os.stat_result) -> bool:
         """Take ``st`` as the persisted stat of a watched file if it moved from it; True if so
         (the caller stores it). False: unwatched since (opened), or unchanged."""
         with self.lock:
             entry = self.watched.get(ino)
-            if entry is None or entry[1] == stat_id(st):
+            if entry is None or entry.sid == stat_id(st):
                 return False
-            self.watched[ino] = (entry[0], stat_id(st), entry[2])
+            entry.sid = stat_id(st)
             return True
 
     def changed(self) -> list[tuple[int, os.stat_result]]:
-        """Watched files whose cache file moved since persisted (they stay watched, with the
-        old baseline until :meth:`rebase`); expired and removed ones are dropped."""
-        now = time.monotonic()
+        """Watched files due for a comparison whose cache file moved since persisted (they stay
+        watched, with the old baseline until :meth:`rebase`); expired and removed ones are
+        dropped. At most :data:`SWEEP_BUDGET` files are compared: the rest are still due at
+        the next sweep."""
+        now = self.clock()
+        due = []
         with self.lock:
-            items = list(self.watched.items())
+            while self._due and len(due) < SWEEP_BUDGET and self._due[0][0] <= now:
+                _, seq, ino = heapq.heappop(self._due)
+                entry = self.watched.get(ino)
+                if entry is not None and entry.seq == seq:
+                    due.append((ino, entry))
         out = []
-        for ino, (path, sid, since) in items:
+        for ino, entry in due:
             try:
-                st = os.stat(path)
+                st = os.stat(entry.path)
             except FileNotFoundError:
-                self.unwatch(ino)
-                continue
-            if stat_id(st) != sid:
-                out.append((ino, st))
-            elif now - since > WATCH_SECONDS:
-                self.unwatch(ino)
+                st = None
+            with self.lock:
+                if self.watched.get(ino) is not entry:
+                    continue  # unwatched (opened) or released again meanwhile
+                if st is None or (stat_id(st) == entry.sid and now - entry.since > WATCH_SECONDS):
+                    del self.watched[ino]
+                    continue
+                if stat_id(st) != entry.sid:
+                    out.append((ino, st))
+                    entry.due, entry.interval = now + SWEEP_SECONDS, 2 * SWEEP_SECONDS
+                else:
+                    entry.due = now + entry.interval
+                    entry.interval = min(2 * entry.interval, SWEEP_INTERVAL_MAX)
+                self._schedule(ino, entry)
         return out

@@ -19,6 +19,7 @@ from ckptfs.fsmeta.check import cache_file_findings
 from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 from ckptfs.gateway.core import EVICT_XATTR, FsCore, SetattrRequest
 from ckptfs.gateway.errors import FsError
+from ckptfs.gateway import space as space_module
 from ckptfs.gateway.space import SpaceLimits
 
 MIB = 1 << 20
@@ -492,3 +493,41 @@ def test_passthrough_under_pressure_new_writers_are_served_by_the_gateway(core):
     assert exc.value.errno == errno.ENOSPC
     for h in (new, again, reader, joined, already_open):
         core.release(h)
+
+
+def test_full_scans_of_a_cache_that_takes_long_to_scan_come_less_often(core, monkeypatch):
+    """A full scan costs some 10 µs per cache file: at 60,000 files, one every 5 s took a tenth
+    of a CPU. The next scan waits SCAN_COST_FACTOR times as long as the last one took."""
+    space = cap(core, 100)
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(space_module, "time", SimpleNamespace(monotonic=lambda: clock.now, time_ns=time.time_ns))
+    scans = []
+
+    def device(path):  # each full scan measures the device once, and takes `took` seconds
+        scans.append(clock.now)
+        clock.now += took
+        return huge_device(path)
+
+    space._statvfs = device
+
+    def ticks_for(seconds):
+        end = clock.now + seconds
+        while clock.now < end:
+            space.tick()
+            clock.now += space_module.TICK_SECONDS
+
+    took = 0.001  # a small cache: every SCAN_SECONDS
+    space.scan()
+    ticks_for(21)
+    gaps = [b - a for a, b in zip(scans, scans[1:])]
+    assert len(gaps) == 4 and all(5 <= gap < 5.5 for gap in gaps)
+    took = 0.5  # 60,000 files: every 25 s
+    del scans[:]
+    space.scan()
+    ticks_for(110)
+    gaps = [b - a for a, b in zip(scans, scans[1:])]
+    assert len(gaps) == 4 and all(25 <= gap < 26.5 for gap in gaps)
+    took = 10.0  # a million: still every SCAN_MAX_SECONDS, for the device's free space
+    space.scan()
+    ticks_for(500)
+    assert scans[-1] - scans[-2] < space_module.SCAN_MAX_SECONDS + 11
