@@ -27,6 +27,9 @@ Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``ren
   created + written + closed, then each is renamed, then each is unlinked; the
   report gives operations per second of each phase (no fsync: POSIX makes a
   namespace change durable only at fsync of the file or its directory).
+  ``--meta-cached-files N`` first leaves N files of 1 KiB in each mount's cache, as a
+  long run does, and prints the gateway's CPU while idle before and after: the
+  gateway's background work must not grow with the files it holds.
 
 Runs alternate (plain, passthrough, writeback, plain, ...) for ``--rounds`` rounds so
 a noisy virtual disk hits every side alike; the report gives medians, the spread
@@ -294,12 +297,34 @@ def _per_op(delta: dict[str, float], ops: int) -> tuple[float, float, dict[str, 
             delta.get("cpu_sys", 0.0) * 1e6 / ops, delta.get("drain_cpu", 0.0) * 1e6 / ops)
 
 
-def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int) -> dict:
+def keep_files(directory: str, files: int, size: int = 1024, per_dir: int = 10_000) -> None:
+    """``files`` x ``size`` bytes left in ``directory/kept/<n>/`` (a long run's checkpoints)."""
+    data = os.urandom(size)
+    for i in range(files):
+        sub = os.path.join(directory, "kept", str(i // per_dir))
+        if i % per_dir == 0:
+            os.makedirs(sub, exist_ok=True)
+        fd = os.open(os.path.join(sub, f"f{i:07d}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def idle_gateway_cpu(mount: Mount, seconds: float = 10.0) -> float:
+    """The gateway's CPU, as a fraction of one CPU, while nothing uses the mount."""
+    start = _cpu_seconds([mount.pid])
+    time.sleep(seconds)
+    return (_cpu_seconds([mount.pid]) - start) / seconds
+
+
+def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int, cached_files: int = 0) -> dict:
     """The ``meta`` section: plain directory and each data path, alternating, drain live.
 
     Besides operations per second (which depend on the machine's load), it gives for each
     mount and phase the FUSE requests per operation and the gateway's CPU microseconds per
-    operation (medians over the rounds), which do not.
+    operation (medians over the rounds), which do not. ``cached_files``: first leave that many
+    files of 1 KiB in each mount (drained), and print the gateway's CPU while idle with them.
     """
     plain = os.path.join(workdir, "meta-plain")
     os.makedirs(plain, exist_ok=True)
@@ -317,8 +342,18 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
     try:
         for m in modes:
             mounts[m].start()
+        idle_cpu = {}
+        if cached_files:
+            for m in modes:
+                idle_before = idle_gateway_cpu(mounts[m])
+                keep_files(mounts[m].mnt, cached_files)
+                drain_cpu_until_idle(mounts[m], timeout=600.0)
+                idle_cpu[m] = (idle_before, idle_gateway_cpu(mounts[m]))
+                print(f"  {m}: gateway CPU while idle: {idle_cpu[m][0]:.1%} of a CPU with no files,"
+                      f" {idle_cpu[m][1]:.1%} with {cached_files} files kept in the cache (drained)", flush=True)
         print(f"namespace operations: {files} files of 1 KiB, create+write+close / rename / unlink,"
-              f" drain running (default settle), {rounds} rounds alternating {', '.join(sides)}")
+              f" drain running (default settle), {rounds} rounds alternating {', '.join(sides)}"
+              + (f", {cached_files} more files in each mount's cache" if cached_files else ""))
         print(f"  load average at start: {_loadavg()}")
         for rnd in range(rounds):
             for side in sides:
@@ -366,7 +401,7 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int)
     finally:
         for m in mounts.values():
             m.stop()
-    return {"ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
+    return {"idle_gateway_cpu": idle_cpu, "ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
                                                    "requests": c[2], "gateway_system_cpu_us_per_op": c[3],
                                                    "drain_cpu_us_per_op_in_phase": c[4]} for c in cost[m][p]]
                                              for p in META_PHASES} for m in modes},
@@ -624,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="seq,ckpt,torch,meta",
                     help="comma list of seq,ckpt,torch,meta (default all four; torch only if importable)")
     ap.add_argument("--meta-files", type=int, default=2000, help="files of the meta workload (default 2000)")
+    ap.add_argument("--meta-cached-files", type=int, default=0,
+                    help="files of 1 KiB first left in each mount's cache for the meta workload, as after"
+                         " a long run (default 0); also prints the gateway's idle CPU with them")
     ap.add_argument("--mounts", default=None,
                     help="data paths to mount side by side, each optionally +uring for FUSE requests through "
                          "io_uring queues (default passthrough,writeback, and passthrough+uring where the "
@@ -670,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     meta_results = None
     try:
         if run_meta:
-            meta_results = run_namespace_bench(workdir, modes, args.meta_files, args.rounds)
+            meta_results = run_namespace_bench(workdir, modes, args.meta_files, args.rounds, args.meta_cached_files)
             print()
         if not workloads and not args.rss_sizes:
             if args.json:
