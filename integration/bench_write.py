@@ -28,8 +28,8 @@ Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``ren
   report gives operations per second of each phase (no fsync: POSIX makes a
   namespace change durable only at fsync of the file or its directory).
   ``--meta-cached-files N`` first leaves N files of 1 KiB in each mount's cache, as a
-  long run does, and prints the gateway's CPU while idle before and after: the
-  gateway's background work must not grow with the files it holds.
+  long run does, and prints the gateway's and the drain's CPU while idle before and
+  after: their background work must not grow with the files the cache holds.
 
 Runs alternate (plain, passthrough, writeback, plain, ...) for ``--rounds`` rounds so
 a noisy virtual disk hits every side alike; the report gives medians, the spread
@@ -311,11 +311,12 @@ def keep_files(directory: str, files: int, size: int = 1024, per_dir: int = 10_0
             os.close(fd)
 
 
-def idle_gateway_cpu(mount: Mount, seconds: float = 10.0) -> float:
-    """The gateway's CPU, as a fraction of one CPU, while nothing uses the mount."""
-    start = _cpu_seconds([mount.pid])
+def idle_cpu(mount: Mount, seconds: float = 10.0) -> tuple[float, float]:
+    """The gateway's and the drain's CPU, as fractions of one CPU, while nothing uses the mount."""
+    drain = [pid for pid in (mount.processes().get("drain"),) if pid]
+    gateway0, drain0 = _cpu_seconds([mount.pid]), _cpu_seconds(drain)
     time.sleep(seconds)
-    return (_cpu_seconds([mount.pid]) - start) / seconds
+    return (_cpu_seconds([mount.pid]) - gateway0) / seconds, (_cpu_seconds(drain) - drain0) / seconds
 
 
 def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int, cached_files: int = 0) -> dict:
@@ -342,15 +343,16 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
     try:
         for m in modes:
             mounts[m].start()
-        idle_cpu = {}
+        idle = {}
         if cached_files:
             for m in modes:
-                idle_before = idle_gateway_cpu(mounts[m])
+                before = idle_cpu(mounts[m])
                 keep_files(mounts[m].mnt, cached_files)
                 drain_cpu_until_idle(mounts[m], timeout=600.0)
-                idle_cpu[m] = (idle_before, idle_gateway_cpu(mounts[m]))
-                print(f"  {m}: gateway CPU while idle: {idle_cpu[m][0]:.1%} of a CPU with no files,"
-                      f" {idle_cpu[m][1]:.1%} with {cached_files} files kept in the cache (drained)", flush=True)
+                idle[m] = {"no_files": before, "cached_files": idle_cpu(mounts[m])}
+                print(f"  {m}: CPU while idle, gateway / drain, in % of a CPU: {before[0]:.1%} / {before[1]:.1%}"
+                      f" with no files, {idle[m]['cached_files'][0]:.1%} / {idle[m]['cached_files'][1]:.1%}"
+                      f" with {cached_files} files kept in the cache (drained)", flush=True)
         print(f"namespace operations: {files} files of 1 KiB, create+write+close / rename / unlink,"
               f" drain running (default settle), {rounds} rounds alternating {', '.join(sides)}"
               + (f", {cached_files} more files in each mount's cache" if cached_files else ""))
@@ -401,7 +403,7 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
     finally:
         for m in mounts.values():
             m.stop()
-    return {"idle_gateway_cpu": idle_cpu, "ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
+    return {"idle_cpu": idle, "ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
                                                    "requests": c[2], "gateway_system_cpu_us_per_op": c[3],
                                                    "drain_cpu_us_per_op_in_phase": c[4]} for c in cost[m][p]]
                                              for p in META_PHASES} for m in modes},
