@@ -179,17 +179,22 @@ class Backing:
                     due.append((ino, entry))
         out = []
         for ino, entry in due:
+            gone = failed = False
             try:
                 st = os.stat(entry.path)
             except FileNotFoundError:
-                st = None
+                gone = True
+            except OSError as exc:  # (EIO...) compared again later, as if unchanged
+                log.warning("watched cache file of inode %d: %s", ino, exc)
+                failed = True
             with self.lock:
                 if self.watched.get(ino) is not entry:
                     continue  # unwatched (opened) or released again meanwhile
-                if st is None or (stat_id(st) == entry.sid and now - entry.since > WATCH_SECONDS):
+                unchanged = gone or failed or stat_id(st) == entry.sid
+                if gone or (unchanged and now - entry.since > WATCH_SECONDS):
                     del self.watched[ino]
                     continue
-                if stat_id(st) != entry.sid:
+                if not unchanged:
                     out.append((ino, st))
                     entry.due, entry.interval = now + SWEEP_SECONDS, 2 * SWEEP_SECONDS
                 else:

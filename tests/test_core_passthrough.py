@@ -311,3 +311,28 @@ def test_a_sweep_compares_at_most_its_budget_longest_due_first(tmp_path, monkeyp
         clock.now += 0.01
     found = [[ino for ino, _ in backing.changed()] for _ in range(3)]
     assert found == [list(range(10)), list(range(10, 20)), list(range(20, 25))]
+
+
+def test_a_watched_file_removed_is_dropped_and_one_that_cannot_be_read_stays(tmp_path, monkeypatch):
+    clock = FakeClock()
+    backing = datapath.Backing(lambda fd: 1, lambda bid: None, clock=clock)
+    removed, sid = _watched_file(tmp_path, "removed")
+    backing.watch(1, removed, sid)
+    failing, sid = _watched_file(tmp_path, "failing")
+    backing.watch(2, failing, sid)
+    os.unlink(removed)
+    stat = os.stat
+
+    def eio_for_failing(path):
+        if path == failing:
+            raise OSError(5, "Input/output error")
+        return stat(path)
+
+    monkeypatch.setattr(datapath.os, "stat", eio_for_failing)
+    assert backing.changed() == []
+    assert list(backing.watched) == [2]  # compared again later
+    monkeypatch.setattr(datapath.os, "stat", stat)
+    with open(failing, "ab") as f:
+        f.write(b"m")
+    clock.now += datapath.SWEEP_SECONDS
+    assert [ino for ino, _ in backing.changed()] == [2]
