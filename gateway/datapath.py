@@ -179,22 +179,21 @@ class Backing:
                     due.append((ino, entry))
         out = []
         for ino, entry in due:
-            gone = failed = False
+            st, gone = None, False
             try:
                 st = os.stat(entry.path)
             except FileNotFoundError:
                 gone = True
             except OSError as exc:  # (EIO...) compared again later, as if unchanged
                 log.warning("watched cache file of inode %d: %s", ino, exc)
-                failed = True
             with self.lock:
                 if self.watched.get(ino) is not entry:
                     continue  # unwatched (opened) or released again meanwhile
-                unchanged = gone or failed or stat_id(st) == entry.sid
-                if gone or (unchanged and now - entry.since > WATCH_SECONDS):
+                moved = st is not None and stat_id(st) != entry.sid
+                if gone or (not moved and now - entry.since > WATCH_SECONDS):
                     del self.watched[ino]
                     continue
-                if not unchanged:
+                if moved:
                     out.append((ino, st))
                     entry.due, entry.interval = now + SWEEP_SECONDS, 2 * SWEEP_SECONDS
                 else:
