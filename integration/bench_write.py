@@ -193,6 +193,15 @@ def write_checkpoint(directory: str, total: int, buf: memoryview, name: str = "m
 META_PHASES = ("create", "rename", "unlink")
 
 
+def write_new_file(path: str, data: bytes) -> None:
+    """create + write + close of a file that must not exist yet."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def namespace_ops(directory: str, files: int, size: int = 1024, probe=None) -> dict:
     """``files`` x ``size`` bytes: create+write+close each, rename each, unlink each.
 
@@ -218,11 +227,7 @@ def namespace_ops(directory: str, files: int, size: int = 1024, probe=None) -> d
 
     def create() -> None:
         for name in names:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            write_new_file(name, data)
 
     def rename() -> None:
         for name in names:
@@ -304,19 +309,16 @@ def keep_files(directory: str, files: int, size: int = 1024, per_dir: int = 10_0
         sub = os.path.join(directory, "kept", str(i // per_dir))
         if i % per_dir == 0:
             os.makedirs(sub, exist_ok=True)
-        fd = os.open(os.path.join(sub, f"f{i:07d}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        write_new_file(os.path.join(sub, f"f{i:07d}"), data)
 
 
 def idle_cpu(mount: Mount, seconds: float = 10.0) -> tuple[float, float]:
     """The gateway's and the drain's CPU, as fractions of one CPU, while nothing uses the mount."""
-    drain = [pid for pid in (mount.processes().get("drain"),) if pid]
-    gateway0, drain0 = _cpu_seconds([mount.pid]), _cpu_seconds(drain)
+    drain = mount.processes().get("drain")
+    drain_pids = [drain] if drain else []
+    gateway0, drain0 = _cpu_seconds([mount.pid]), _cpu_seconds(drain_pids)
     time.sleep(seconds)
-    return (_cpu_seconds([mount.pid]) - gateway0) / seconds, (_cpu_seconds(drain) - drain0) / seconds
+    return (_cpu_seconds([mount.pid]) - gateway0) / seconds, (_cpu_seconds(drain_pids) - drain0) / seconds
 
 
 def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int, cached_files: int = 0) -> dict:
@@ -325,7 +327,8 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
     Besides operations per second (which depend on the machine's load), it gives for each
     mount and phase the FUSE requests per operation and the gateway's CPU microseconds per
     operation (medians over the rounds), which do not. ``cached_files``: first leave that many
-    files of 1 KiB in each mount (drained), and print the gateway's CPU while idle with them.
+    files of 1 KiB in each mount (drained), and print the gateway's and the drain's CPU while
+    idle, before and with them.
     """
     plain = os.path.join(workdir, "meta-plain")
     os.makedirs(plain, exist_ok=True)
@@ -663,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meta-files", type=int, default=2000, help="files of the meta workload (default 2000)")
     ap.add_argument("--meta-cached-files", type=int, default=0,
                     help="files of 1 KiB first left in each mount's cache for the meta workload, as after"
-                         " a long run (default 0); also prints the gateway's idle CPU with them")
+                         " a long run (default 0); also prints the gateway's and the drain's idle CPU")
     ap.add_argument("--mounts", default=None,
                     help="data paths to mount side by side, each optionally +uring for FUSE requests through "
                          "io_uring queues (default passthrough,writeback, and passthrough+uring where the "
