@@ -779,17 +779,22 @@ class Drain:
         moved = await self._read(self._moved_dir_markers, job)
         if any(marker in self.busy_keys or marker in self.deleting_keys for _, marker in moved):
             return False
-        for dir_ino, marker in moved:
-            log.info("%s: its directory moved and a file takes the name; deleting it", marker)
-            await self._retry(f"delete {marker}", lambda marker=marker: self.store.delete(marker))
-            self.stats.deleted_objects += 1
+        keys = {marker for _, marker in moved}
+        self.busy_keys.update(keys)  # (no marker put or tombstone delete of them meanwhile)
+        try:
+            for dir_ino, marker in moved:
+                log.info("%s: its directory moved and a file takes the name; deleting it", marker)
+                await self._retry(f"delete {marker}", lambda marker=marker: self.store.delete(marker))
+                self.stats.deleted_objects += 1
 
-            def forget(txn: Txn, dir_ino=dir_ino, marker=marker) -> None:
-                remote = txn.get_remote(dir_ino)
-                if remote is not None and remote.key == marker:
-                    txn.delete_remote(dir_ino)  # the directory's pending round puts its new marker
+                def forget(txn: Txn, dir_ino=dir_ino, marker=marker) -> None:
+                    remote = txn.get_remote(dir_ino)
+                    if remote is not None and remote.key == marker:
+                        txn.delete_remote(dir_ino)  # the directory's pending round puts its new marker
 
-            await self._write(forget)
+                await self._write(forget)
+        finally:
+            self.busy_keys.difference_update(keys)
         return True
 
     def _begin_writes(self, txn: Txn, job: FileJob) -> None:
@@ -1408,19 +1413,6 @@ class Drain:
         keeps_marker = remote is not None and remote.key == marker
         put_marker = marker is not None and (
             (info["empty"] and not keeps_marker) or (keeps_marker and info["reason"] == durability.META))
-        if put_marker:
-            if marker in self.deleting_keys or marker in self.busy_keys:
-                return  # the old directory's marker is being deleted; next round
-            if await self._read(durability.key_shape_in_flux, marker):
-                self._requeue(cand.ino, WAIT_SOURCE_BACKOFF)  # a file of that name is still leaving
-                return
-            meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
-            self.busy_keys.add(marker)
-            try:
-                await self._write(lambda txn: durability.begin_bucket_writes(txn, cand.ino, [marker]))
-                await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
-            finally:
-                self.busy_keys.discard(marker)
 
         def commit(txn: Txn) -> None:
             inode = txn.get_inode(cand.ino)
@@ -1443,7 +1435,25 @@ class Drain:
                     and current is not None and current.decode("utf-8", "surrogateescape") == info["path"]):
                 durability.mark_settled(txn, cand.ino)
 
-        await self._write(commit)
+        if not put_marker:
+            await self._write(commit)
+            return
+        if marker in self.deleting_keys or marker in self.busy_keys:
+            return  # the old directory's marker is being deleted; next round
+        # Reserved in the same step as the check, and until the commit: a tombstone task that
+        # starts meanwhile (the old directory's, after ``rmdir d; mkdir d``) must not decide to
+        # delete the key and land that delete after this marker.
+        self.busy_keys.add(marker)
+        try:
+            if await self._read(durability.key_shape_in_flux, marker):
+                self._requeue(cand.ino, WAIT_SOURCE_BACKOFF)  # a file of that name is still leaving
+                return
+            meta = object_metadata(info["mode"], info["uid"], info["gid"], info["mtime_ns"])
+            await self._write(lambda txn: durability.begin_bucket_writes(txn, cand.ino, [marker]))
+            await self._retry(f"put {marker}", lambda: self.store.put_object(marker, b"", meta))
+            await self._write(commit)
+        finally:
+            self.busy_keys.discard(marker)
 
     # -- deletions -------------------------------------------------------------------------
 
