@@ -1,6 +1,7 @@
 """The bucket against fsmeta, for ``ckptfs fsck --bucket`` (the local checks: :mod:`ckptfs.fsmeta.check`).
 
-What fsmeta says is durable must be in the bucket with the content hash it recorded; what it
+What fsmeta says is durable must be in the bucket with the content hash it recorded, and an
+empty directory it holds as settled must show there (its ``dir/`` marker); what it
 tombstoned should be gone (the drain deletes it, so that is only reported); a multipart upload
 that neither an upload record nor a tombstone names will never be completed or aborted by
 anyone (it costs storage until a bucket lifecycle rule expires it).
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 
 import blake3
 
-from ckptfs.fsmeta import FileState, MetaStore, durability
+from ckptfs.fsmeta import ROOT_INO, FileState, MetaStore, durability
 from ckptfs.fsmeta.check import Finding
 from ckptfs.fsmeta.layout import CacheDir
 
 from .store import MOVING_PREFIX, ObjectStore
 
 MISSING_OBJECT = "missing-object"  # durable per fsmeta, not in the bucket
+MISSING_MARKER = "missing-marker"  # a settled empty directory with no ``dir/`` marker: other nodes miss it
 DIFFERENT_OBJECT = "different-object"  # in the bucket with another blake3 than fsmeta recorded
 TOMBSTONED_OBJECT = "tombstoned-object"  # queued for deletion, still there (informational)
 UNRECORDED_UPLOAD = "unrecorded-upload"  # an open multipart upload nobody records
@@ -56,6 +58,22 @@ def _durable_files(meta: MetaStore) -> list[_Durable]:
             out.append(_Durable(inode.ino, paths[0].decode("utf-8", "surrogateescape") if paths else None,
                                 remote.key, remote.blake3, inode.size, inode.generation,
                                 inode.state in (FileState.DURABLE, FileState.CACHED_CLEAN)))
+    return out
+
+
+def _settled_empty_dirs(meta: MetaStore) -> list[tuple[int, str]]:
+    """(inode, ``path/``) of each empty directory below the root that nothing of the drain's
+    queue concerns (not pending, no pending directory above it): the bucket shows it only by
+    its marker."""
+    out = []
+    with meta.read() as txn:
+        for inode in txn.iter_inodes():
+            if (not inode.is_dir or inode.ino == ROOT_INO or inode.nlink == 0
+                    or not txn.dir_is_empty(inode.ino) or durability.pending_at_or_above(txn, inode.ino)):
+                continue
+            path = txn.path_of(inode.ino)
+            if path:
+                out.append((inode.ino, path.decode("utf-8", "surrogateescape") + "/"))
     return out
 
 
@@ -94,6 +112,13 @@ async def bucket_findings(cache: CacheDir, meta: MetaStore, store: ObjectStore) 
         if not repairable:
             detail += "; the cache does not hold the content either (re-upload impossible)"
         findings.append(Finding(kind, detail, path=item.path, key=item.key, ino=item.ino, repairable=repairable))
+    for ino, key in _settled_empty_dirs(meta):
+        # Anything at or below ``key/`` shows the directory (objects that fsmeta has not
+        # listed yet count too).
+        if not (listed := await store.list(key, limit=1)).objects and not listed.prefixes:
+            findings.append(Finding(MISSING_MARKER, "an empty directory, settled in fsmeta, has no marker "
+                                    "in the bucket: other nodes do not see it", path=key[:-1], key=key,
+                                    ino=ino, repairable=True))
     with meta.read() as txn:
         # (a key the drain is writing for a file still pending under it is not a delete)
         all_tombstones = list(txn.iter_tombstones())
@@ -141,4 +166,16 @@ async def repair(finding: Finding, meta: MetaStore, store: ObjectStore) -> bool:
             return True
 
         return meta.write(requeue)
+    if finding.kind == MISSING_MARKER and finding.ino is not None:
+        def requeue_dir(txn) -> bool:
+            inode = txn.get_inode(finding.ino)
+            if inode is None or inode.nlink == 0 or txn.get_pending(inode.ino) is not None:
+                return False  # changed meanwhile: the drain has it
+            if txn.get_remote(inode.ino) is not None:
+                durability.mark_meta_changed(txn, inode, time.time_ns())  # puts the recorded marker again
+            else:
+                durability.mark_moved(txn, inode.ino, time.time_ns())  # needs its marker
+            return True
+
+        return meta.write(requeue_dir)
     return False

@@ -419,6 +419,15 @@ class FileStore(ObjectStore):
         start = os.path.join(self.root, *base_rel.split("/")) if base_rel else self.root
         if base_rel != MOVING_DIR and any(c.startswith(RESERVED) for c in base_rel.split("/") if c):
             return out  # (the drain's parked objects are listed only when asked for by name)
+        if base_rel and prefix == base_rel + "/":
+            # The marker of the prefix's own directory: as in S3, a key equal to the prefix is listed.
+            try:
+                st = os.stat(start, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return out
+            rec = self._read_rec(start, st) if stat.S_ISDIR(st.st_mode) else None
+            if rec and rec.get("marker"):
+                out.append((prefix, st, start))
         stack = [(start, base_rel + "/" if base_rel else "")]
         while stack:
             d, rel = stack.pop()

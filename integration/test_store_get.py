@@ -1,5 +1,6 @@
 """``S3Store.get_to_file`` (the read path's GET: presigned, read in a worker thread with
-urllib3) against the real radosgw, over http and https: what the fetcher relies on."""
+urllib3) against the real radosgw, over http and https: what the fetcher relies on; and the listing
+of a directory marker that the bucket namespace relies on."""
 
 from __future__ import annotations
 
@@ -167,3 +168,18 @@ def test_a_body_that_stalls_mid_way_is_a_timeout(s3_server: S3Server, s3_bucket:
     e = trio.run(main)
     assert e.retryable and e.code == "Timeout"
     assert s3_server.access_key not in str(e) and "Signature" not in str(e)
+
+
+def test_a_directory_marker_is_listed_under_its_own_prefix(s3_server: S3Server, s3_bucket: str):
+    """The ``file://`` store does the same (tests/test_store_file.py): the bucket namespace
+    and ``fsck --bucket`` probe ``d/`` to learn whether an empty directory still exists."""
+    async def main():
+        async with store(s3_server, s3_bucket) as st:
+            await st.put_object("empty/", b"")
+            assert [o.key for o in (await st.list("empty/", limit=1)).objects] == ["empty/"]
+            assert [o.key for o in (await st.list("empty/", "/")).objects] == ["empty/"]
+            await st.delete("empty/")
+            listed = await st.list("empty/", limit=1)
+            assert listed.objects == [] and listed.prefixes == []
+
+    trio.run(main)

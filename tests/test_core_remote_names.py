@@ -393,6 +393,26 @@ def test_a_listing_that_raced_an_upload_does_not_remove_the_uploaded_file(node):
     assert node.inode("f").state == FileState.DURABLE
 
 
+def test_a_listing_that_raced_a_directorys_marker_does_not_remove_the_directory(node):
+    """The probe of ``d/`` that confirms a settled directory is gone must see the directory's
+    own marker: the ``file://`` store listed only what lies below it, so an empty directory
+    whose marker landed after the parent's LIST was taken away (as another node's delete)."""
+    node.ls("")
+    node.core.mkdir(ROOT_INO, b"d", 0o755, USER)
+    real_list = node.bucket.list
+
+    def list_then_drain(prefix, delimiter=None):
+        result = real_list(prefix, delimiter)  # taken before the marker's PUT
+        node.drain()
+        return result
+
+    node.bucket.list = list_then_drain
+    node.advance()
+    assert node.ls("") == ["d"]
+    node.bucket.list = real_list
+    assert node.inode("d") is not None and node.remote("d").key == "d/"
+
+
 def test_a_replaced_object_gets_its_new_attributes(node):
     node.put("ckpt/a", b"1", object_metadata(stat.S_IFREG | 0o644, 1, 1, MTIME))
     first = node.walk("ckpt/a")

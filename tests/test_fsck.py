@@ -130,6 +130,31 @@ def test_durable_object_missing_or_changed_in_the_bucket_is_requeued_and_uploade
     assert code == 0 and report["findings"] == []
 
 
+def test_an_empty_directory_missing_from_the_bucket_is_found_and_its_marker_put_again(denv):  # noqa: F811
+    a_drained_cache(denv)
+    denv.mkdir("run/empty")
+    denv.mkdir("run/kept/sub")  # (kept and sub: the bucket shows kept through sub's marker)
+    denv.drain()
+
+    async def delete_marker():
+        async with denv.store() as store:
+            await store.delete("run/empty/")
+
+    trio.run(delete_marker)
+    code, report = fsck_json(denv, "--bucket")
+    found = kinds(report)
+    assert code == 1 and list(found) == ["missing-marker"]
+    assert [(f["path"], f["key"], f["repairable"]) for f in found["missing-marker"]] == [
+        ("run/empty", "run/empty/", True)]
+
+    code, report = fsck_json(denv, "--bucket", "--repair")
+    assert code == 0 and all(f["repaired"] for f in report["findings"])
+    denv.drain()
+    assert "run/empty/" in denv.listing("run/")
+    code, report = fsck_json(denv, "--bucket")
+    assert code == 0 and report["findings"] == []
+
+
 def test_different_blake3_in_the_bucket_is_found(denv):  # noqa: F811
     a_drained_cache(denv)
     key = "run/step_1/shard0"

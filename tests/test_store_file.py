@@ -126,6 +126,10 @@ def test_list_excludes_internals_and_delimiter(store):
         assert [o.key for o in (await store.list(limit=2)).objects] == ["a/1", "a/2"]
         marker = await store.head("dir/")
         assert marker is not None and marker.size == 0 and marker.is_dir_marker
+        # As in S3 (integration/test_store_get.py): a marker is listed under its own prefix,
+        # which is how the bucket namespace finds out that an empty directory still exists.
+        assert [o.key for o in (await store.list("dir/", limit=1)).objects] == ["dir/"]
+        assert [o.key for o in (await store.list("dir/", "/")).objects] == ["dir/"]
         assert not any(".ckptfs" in k for k in keys)
         # reserved names are rejected as keys
         with pytest.raises(ValueError):
