@@ -115,7 +115,7 @@ async def bucket_findings(cache: CacheDir, meta: MetaStore, store: ObjectStore) 
     for ino, key in _settled_empty_dirs(meta):
         # Anything at or below ``key/`` shows the directory (objects that fsmeta has not
         # listed yet count too).
-        if not (listed := await store.list(key, limit=1)).objects and not listed.prefixes:
+        if not await store.holds_any(key):
             findings.append(Finding(MISSING_MARKER, "an empty directory, settled in fsmeta, has no marker "
                                     "in the bucket: other nodes do not see it", path=key[:-1], key=key,
                                     ino=ino, repairable=True))

@@ -525,6 +525,12 @@ class ObjectStore(abc.ABC):
             prefixes = [v for _, v in merged if isinstance(v, str)]
         return ListResult(objs, prefixes)
 
+    async def holds_any(self, prefix: str) -> bool:
+        """Anything at or below ``prefix``: for ``d/``, the directory's own marker or any object
+        below it (one LIST of at most one entry)."""
+        listed = await self.list(prefix, limit=1)
+        return bool(listed.objects or listed.prefixes)
+
     @abc.abstractmethod
     def list_pages(
         self, prefix: str = "", delimiter: str | None = None, *, start_after: str | None = None

@@ -445,8 +445,7 @@ class RemoteNames:
         async def probe(prefix: str) -> None:
             async with limiter:
                 try:
-                    result = await timed("list", store.list(prefix, limit=1))
-                    present[prefix] = bool(result.objects or result.prefixes)
+                    present[prefix] = await timed("list", store.holds_any(prefix))
                 except Exception as exc:  # noqa: BLE001 - not confirmed gone: kept
                     self._failed(f"LIST {prefix}", exc)
 

@@ -415,7 +415,7 @@ def cmd_promote(args: argparse.Namespace, argv: list[str]) -> int:
                 else:
                     print(f"{rel} was not pinned")
                 return EXIT_OK
-            exists = await store.head(rel) is not None or bool((await store.list(rel + "/", limit=1)).objects)
+            exists = await store.head(rel) is not None or await store.holds_any(rel + "/")
             if await add_pin(store, rel):
                 print(f"pinned {rel} ({where}): lifecycle keeps it, untouched, until 'ckptfs promote --undo'")
             else:
