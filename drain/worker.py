@@ -1477,8 +1477,10 @@ class Drain:
             if owner is not None:
                 # A removed directory (rmdir, replaced by a rename) keeps its inode and
                 # remote record while the kernel holds a reference: that protects nothing.
+                # A removed file keeps its record only while it is open and its content is
+                # still that object (Namespace._drop_link): its purge tombstones it again.
                 owner_inode = txn.get_inode(owner)
-                if owner_inode is None or owner_inode.nlink == 0:
+                if owner_inode is None or (owner_inode.nlink == 0 and owner_inode.is_dir):
                     owner = None
             if is_live and owner is None and key.endswith("/") and not txn.dir_is_empty(live):
                 # A marker no live inode owns (the directory there now would own it: the

@@ -21,12 +21,17 @@ A listing is merged into fsmeta in one write transaction:
   content of another inode (the old name of a rename the drain has not copied yet) is
   not added back;
 * a settled file whose object changed (etag, or the LastModified the last listing saw,
-  kept in its remote record across restarts) gets the new attributes and a new
-  generation (``durability.mark_remote_changed``) unless it is open here;
+  kept in its remote record across restarts) becomes a new inode at its name, unless it is
+  open here (the old one goes once the kernel forgets it): with the writeback cache the
+  kernel never takes a new size for an inode it caches. The same content with new
+  metadata keeps the inode and its cache file, with the new attributes;
 * a local name missing from the listing goes only if it is settled (not pending, nothing
   pending below a directory, no ancestor pending), not open here, and a HEAD (a LIST of
   the prefix for a directory) confirms that the object is gone: a listing that raced
   with the drain's upload must not remove the file just uploaded.
+* a local name the listing shows with the other type (another node replaced a file by a
+  directory or back) goes on the same terms, its old shape's key confirmed gone, and the
+  listed entry takes its place in the same transaction, as a new one would.
 
 Bucket errors never fail a lookup: the node keeps answering from fsmeta (logged,
 counted) and tries again after the TTL.
@@ -110,14 +115,21 @@ class Plan:
     # A hard link's name whose object another node replaced: (ino, entry, the key of another
     # name of the file, whose object the file keeps as its content if that name was its record's).
     split: list[tuple[int, Listed, str | None]] = field(default_factory=list)
+    # A name another node turned from a file into a directory or back: (name, ino, the local
+    # shape's key to confirm gone, the listed entry that takes the name once it is).
+    retyped: list[tuple[bytes, int, str, Listed]] = field(default_factory=list)
 
     def heads(self) -> list[str]:
         keys = [e.key for e in self.new] + [e.key for _, e in self.changed]
         keys += [e.key for _, e, _ in self.split] + [k for _, _, k in self.split if k is not None]
-        return keys + [key for _, _, key in self.gone if not key.endswith("/")]
+        keys += [e.key for _, _, _, e in self.retyped]
+        return keys + [key for key in self._confirm_gone() if not key.endswith("/")]
 
     def probes(self) -> list[str]:
-        return [key for _, _, key in self.gone if key.endswith("/")]
+        return [key for key in self._confirm_gone() if key.endswith("/")]
+
+    def _confirm_gone(self) -> list[str]:
+        return [key for _, _, key in self.gone] + [key for _, _, key, _ in self.retyped]
 
 
 def parse_mode(value: str | None, default: int) -> int:
@@ -366,15 +378,25 @@ class RemoteNames:
     def _plan(self, txn: Txn, dir_ino: int, entries: dict[bytes, Listed], names_before: set[bytes],
               tombstones_before: set[str]) -> Plan:
         plan = Plan()
+        # Renamed, its objects not moved yet: the listing is not the truth about what is gone.
+        listing_is_truth = not durability.pending_at_or_above(txn, dir_ino)
         for name, entry in entries.items():
             local = txn.lookup(dir_ino, name)
             if local is None:
                 if name not in names_before and not self._shadowed(txn, entry, tombstones_before):
                     plan.new.append(entry)
                 continue
+            inode = txn.get_inode(local)
+            if inode is not None and inode.is_dir != entry.is_dir:
+                # Another node replaced a file by a directory or the other way round: the
+                # local name goes as if gone from the listing, and the entry comes as a new one.
+                if (listing_is_truth and self._settled(txn, local, inode)
+                        and not self._shadowed(txn, entry, tombstones_before)):
+                    key = entries_key(txn, dir_ino, name, inode.is_dir)
+                    plan.retyped.append((name, local, key, entry))
+                continue
             if entry.is_dir:
                 continue
-            inode = txn.get_inode(local)
             record = txn.get_remote(local)
             if (record is None and inode is not None and not inode.is_dir
                     and txn.get_error(local) == durability.REMOTE_OBJECT_GONE
@@ -404,8 +426,8 @@ class RemoteNames:
                     plan.changed.append((local, entry))
             elif seen is None and entry.modified is not None:
                 plan.first_seen.append((local, entry.key))
-        if durability.pending_at_or_above(txn, dir_ino):
-            return plan  # renamed, its objects not moved yet: the listing is not the truth
+        if not listing_is_truth:
+            return plan
         for name, child in txn.iter_dir(dir_ino):
             if name in entries:
                 continue
@@ -486,19 +508,12 @@ class RemoteNames:
         with self._state.lock:
             open_files = set(self._state.open_files)
         for entry in plan.new:
-            got = fetched.get(entry.key)
-            if entry.is_dir:
-                info = got.info if got is not None else None
-            elif got is None or got.info is None:
-                continue  # deleted since the LIST, or its HEAD failed
-            else:
-                info = got.info
-            if txn.lookup(dir_ino, entry.name) is not None or self._shadowed(txn, entry, set()):
-                continue  # created or removed here meanwhile: the local change wins
-            self._add(txn, parent, entry, info, got.target if got is not None else b"")
-            if entry.is_dir:
-                parent.nlink += 1
-            stale.append((txn.lookup(dir_ino, entry.name), entry.key))
+            stale.append((self._add_listed(txn, parent, entry, fetched), entry.key))
+        for name, ino, key, entry in plan.retyped:
+            removed = self._remove_if_gone(txn, parent, name, ino, key, fetched, present)
+            if removed is not None:
+                purge += removed
+                stale.append((self._add_listed(txn, parent, entry, fetched), entry.key))
         changed = list(plan.changed)
         for ino, entry, other_key in plan.split:
             new_ino = self._split_link(txn, parent, ino, entry, fetched, other_key, open_files)
@@ -517,8 +532,8 @@ class RemoteNames:
             record = txn.get_remote(ino)
             same_content = (record is not None and record.blake3 and got.info.size == record.size
                             and got.info.metadata.get("blake3") == record.blake3)
-            self._set_attrs(inode, got.info, got.target)
             if same_content:
+                self._set_attrs(inode, got.info, got.target)
                 # A copy (a rename's, a chmod's on another node) may carry a new etag: the
                 # content, and with it the cache file and the generation, stay.
                 record.etag = got.info.etag
@@ -526,21 +541,53 @@ class RemoteNames:
                 txn.put_inode(inode)
                 seen.append((ino, entry.key))
                 continue
-            durability.mark_remote_changed(txn, inode, self._record(entry.key, got.info))
-            stale.append((ino, entry.key))
-        for name, ino, key in plan.gone:
-            gone = not present.get(key, True) if key.endswith("/") else (
-                key in fetched and fetched[key].info is None)
-            inode = txn.get_inode(ino)
-            if not gone or inode is None or txn.lookup(dir_ino, name) != ino or not self._settled(txn, ino, inode):
-                continue
-            if inode.is_dir:
-                purge += self._remove_tree(txn, ino)
-                parent.nlink -= 1
-            txn.remove_entry(dir_ino, name)
+            # New content: to this node a new file at the name (a new inode number), as after
+            # a rename over it. With the writeback cache the kernel keeps a cached regular
+            # file's size and pages whatever GETATTR says; only a new inode is asked afresh.
+            txn.remove_entry(dir_ino, entry.name)
             purge.append(self._drop_name(txn, inode))
+            self._add(txn, parent, entry, got.info, got.target)
+            stale.append((txn.lookup(dir_ino, entry.name), entry.key))
+        for name, ino, key in plan.gone:
+            purge += self._remove_if_gone(txn, parent, name, ino, key, fetched, present) or []
         txn.put_inode(parent)
         return purge, [(ino, key) for ino, key in stale if ino is not None], seen
+
+    def _add_listed(self, txn: Txn, parent: Inode, entry: Listed, fetched: dict[str, Fetched]) -> int | None:
+        """A listed entry becomes an inode under ``parent`` (nlink counted in ``parent``, which
+        the caller puts); returns it, or None if it is not added."""
+        got = fetched.get(entry.key)
+        if entry.is_dir:
+            info = got.info if got is not None else None
+        elif got is None or got.info is None:
+            return None  # deleted since the LIST, or its HEAD failed
+        else:
+            info = got.info
+        if txn.lookup(parent.ino, entry.name) is not None or self._shadowed(txn, entry, set()):
+            return None  # created or removed here meanwhile: the local change wins
+        self._add(txn, parent, entry, info, got.target if got is not None else b"")
+        if entry.is_dir:
+            parent.nlink += 1
+        return txn.lookup(parent.ino, entry.name)
+
+    def _remove_if_gone(self, txn: Txn, parent: Inode, name: bytes, ino: int, key: str,
+                        fetched: dict[str, Fetched], present: dict[str, bool]) -> list[int] | None:
+        """Drop the name ``parent/name`` of ``ino`` (a directory with its subtree) if the bucket
+        confirmed ``key`` gone and it is still settled; returns the inodes to purge, or None
+        if it stays (a listing that raced the drain's upload must not remove the upload)."""
+        gone = not present.get(key, True) if key.endswith("/") else (
+            key in fetched and fetched[key].info is None)
+        inode = txn.get_inode(ino)
+        if (not gone or inode is None or txn.lookup(parent.ino, name) != ino
+                or not self._settled(txn, ino, inode)):
+            return None
+        purge = []
+        if inode.is_dir:
+            purge += self._remove_tree(txn, ino)
+            parent.nlink -= 1
+        txn.remove_entry(parent.ino, name)
+        purge.append(self._drop_name(txn, inode))
+        return purge
 
     def _split_link(self, txn: Txn, parent: Inode, ino: int, entry: Listed, fetched: dict[str, Fetched],
                     other_key: str | None, open_files: set[int]) -> int | None:

@@ -207,9 +207,18 @@ class Namespace:
         inode.nlink -= 1
         inode.ctime_ns = now
         if inode.nlink == 0:
-            txn.forget_remote_object(inode.ino)
+            if inode.state == FileState.REMOTE and self._is_open(inode.ino):
+                # Its handles still read (and fetch) the bucket's object: that goes when the
+                # inode is purged after the last close (LookupCounts), not while it is read.
+                txn.clear_pending(inode.ino)
+            else:
+                txn.forget_remote_object(inode.ino)
             txn.add_orphan(inode.ino)
         txn.put_inode(inode)
+
+    def _is_open(self, ino: int) -> bool:
+        with self._state.lock:
+            return ino in self._state.open_files
 
     def unlink(self, parent: int, name: bytes) -> None:
         now = self._state.clock()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, ckptfs_cmd, needs_fuse
+from conftest import DATA_PATHS, REPO, ckptfs_cmd, needs_fuse
 
 pytestmark = [needs_fuse, pytest.mark.mounted]
 
@@ -104,6 +104,39 @@ def test_renames_and_deletes_on_a_show_on_b_after_the_ttl(two_nodes):
     assert os.stat(b.mnt / "ckpt" / "new").st_size == 4
 
 
+def test_a_directory_a_replaces_by_a_file_shows_as_that_file_on_b(two_nodes):
+    """Found by the churn test: B, having listed ``d`` as a directory, showed it as one for
+    ever after A replaced it by a file."""
+    a, b = two_nodes
+    (a.mnt / "ckpt" / "d").mkdir(parents=True)
+    (a.mnt / "ckpt" / "d" / "x").write_bytes(b"in the directory")
+    wait_durable(a)
+    assert os.listdir(b.mnt / "ckpt") == ["d"] and os.listdir(b.mnt / "ckpt" / "d") == ["x"]
+
+    os.unlink(a.mnt / "ckpt" / "d" / "x")
+    os.rmdir(a.mnt / "ckpt" / "d")
+    (a.mnt / "ckpt" / "d").write_bytes(b"now a file")
+    wait_durable(a)
+    assert eventually(lambda: stat.S_ISREG(os.lstat(b.mnt / "ckpt" / "d").st_mode)), os.lstat(b.mnt / "ckpt" / "d")
+    assert (b.mnt / "ckpt" / "d").read_bytes() == b"now a file"
+
+
+def test_a_file_a_replaces_by_a_directory_shows_as_that_directory_on_b(two_nodes):
+    a, b = two_nodes
+    (a.mnt / "ckpt").mkdir()
+    (a.mnt / "ckpt" / "d").write_bytes(b"a file")
+    wait_durable(a)
+    assert (b.mnt / "ckpt" / "d").read_bytes() == b"a file"
+
+    os.unlink(a.mnt / "ckpt" / "d")
+    (a.mnt / "ckpt" / "d").mkdir()
+    (a.mnt / "ckpt" / "d" / "x").write_bytes(b"in the directory")
+    wait_durable(a)
+    assert eventually(lambda: stat.S_ISDIR(os.lstat(b.mnt / "ckpt" / "d").st_mode)), os.lstat(b.mnt / "ckpt" / "d")
+    assert os.listdir(b.mnt / "ckpt" / "d") == ["x"]
+    assert (b.mnt / "ckpt" / "d" / "x").read_bytes() == b"in the directory"
+
+
 def test_a_name_b_found_missing_appears_within_the_ttl_despite_negative_caching(two_nodes):
     a, b = two_nodes
     (a.mnt / "ckpt").mkdir()
@@ -143,3 +176,19 @@ def _metric(gw, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_a_file_a_rewrites_shows_its_new_content_on_b_after_the_ttl(two_nodes):
+    """B read the old content (its kernel caches pages and attributes); A rewrites the file
+    with another size: after the TTL, B reads the new bytes, never the old ones."""
+    a, b = two_nodes
+    (a.mnt / "ckpt").mkdir()
+    (a.mnt / "ckpt" / "model.pt").write_bytes(b"old" * 50_000)
+    wait_durable(a)
+    assert (b.mnt / "ckpt" / "model.pt").read_bytes() == b"old" * 50_000
+    new = os.urandom(300_001)
+    (a.mnt / "ckpt" / "model.pt").write_bytes(new)
+    wait_durable(a)
+    assert eventually(lambda: (b.mnt / "ckpt" / "model.pt").read_bytes() == new), \
+        len((b.mnt / "ckpt" / "model.pt").read_bytes())
