@@ -1490,6 +1490,14 @@ class Drain:
                 # over it. Deleted: if this one empties later, it puts its own (drain model
                 # seed 431).
                 is_live = False
+            if is_live and owner is None and txn.get_pending(live) is not None:
+                # The name is live again but not written yet (a new file, a new or renamed
+                # directory): the object there is an old one of someone else. Its new owner may
+                # never write that key (a directory that gets a file first puts no marker; a
+                # file moved on, or with its directory, before its upload): kept, it would be
+                # nobody's and never deleted. Deleted now; the owner writes its own after (the
+                # key stays reserved meanwhile). Found by the churn hunt.
+                is_live = False
             if is_live and owner is None and not key.endswith("/") and schedule.is_marker(key, self.markers):
                 # The name is a marker again, not uploaded yet (a new save): the old marker
                 # must not stay visible next to the new shards meanwhile.

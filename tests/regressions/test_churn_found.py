@@ -1,0 +1,70 @@
+"""Bugs the churn hunt found (tests/test_mount_two_nodes.py, ``CKPTFS_CHURN_ROUNDS``), each
+reduced to plain code. Keep every one of these: each failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from test_drain_support import RecStore, denv  # noqa: E402,F401
+
+
+
+def classify(denv, key: str) -> str:  # noqa: F811
+    """What the drain's tombstone task decides for ``key``: delete, drop or wait."""
+    drain = denv.make_drain(None)
+    with denv.meta.read() as txn:
+        items = [(key, txn.get_tombstone(key))]
+        delete, drop = drain._classify_tombstones(txn, items)
+    return "delete" if delete else "drop" if drop else "wait"
+
+
+def test_an_old_marker_at_a_new_directorys_name_is_deleted_though_the_directory_is_empty(denv):  # noqa: F811
+    """The churn hunt left an empty directory's marker ``e/b/e/`` in the bucket that nobody
+    owned or tombstoned, under what had become a file: a fresh node showed a directory there,
+    and on ``file://`` the file could never be written (KeyConflict, for ever). A directory
+    moved away left its marker's tombstone; a new directory took the name, and while it was
+    still empty the tombstone was dropped, as if the new directory would put its own marker
+    over it. It got a file first, so it put none; once its parent moved, nothing named the old
+    marker any more. The tombstone of a name that is live again but not written yet (pending)
+    now deletes the old object."""
+    denv.mkdir("p")
+    denv.mkdir("p/e")
+    denv.drain()
+    assert "p/e/" in denv.listing()
+    denv.rename("p/e", "x")
+    denv.drain()  # the old directory's marker moved to x/, p/e/ deleted
+    denv.mkdir("p/e")  # a new directory at the name: pending until its marker is put
+    denv.meta.write(lambda txn: txn.add_tombstone("p/e/"))  # e.g. a marker left by another move
+    assert classify(denv, "p/e/") == "delete"
+
+
+def test_an_old_object_at_a_new_files_name_is_deleted_before_its_upload(denv):  # noqa: F811
+    """The same for a file: a file written at a name whose old object is still queued for
+    deletion, then moved with its directory before its upload, left the old object behind
+    in the hunt. Here one drain run ends right either way: the decision is what failed."""
+    denv.mkdir("p")
+    denv.write_file("p/f", b"old")
+    denv.drain()
+    denv.unlink("p/f")
+    denv.write_file("p/f", b"new, not uploaded yet")
+    assert classify(denv, "p/f") == "delete"
+    denv.rename("p", "q")
+    denv.drain()
+    assert sorted(denv.listing()) == ["q/f"]
+    assert denv.object_bytes("q/f") == b"new, not uploaded yet"
+
+
+def test_a_settled_directorys_marker_is_kept_by_its_tombstone_of_a_live_name(denv):  # noqa: F811
+    """What stays as it was: a name that is live and settled keeps its object (the tombstone
+    is dropped), e.g. a directory this node knows from the bucket's listing."""
+    denv.mkdir("p")
+    denv.mkdir("p/e")
+    denv.drain()
+    ino = denv.ino("p/e")
+    with denv.meta.read() as txn:
+        assert txn.get_pending(ino) is None
+    denv.meta.write(lambda txn: (txn.delete_remote(ino), txn.add_tombstone("p/e/")))
+    assert classify(denv, "p/e/") == "drop"
