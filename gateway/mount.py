@@ -10,6 +10,7 @@ while no LMDB environment is ever carried across a ``fork``.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import functools
 import logging
 import os
@@ -273,6 +274,9 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         print(f"ckptfs: {message}", file=sys.stderr)
         return 1
 
+    # A fault in native code (the front end, libfuse, LMDB) would end the gateway with no
+    # trace: print every thread's Python stack to the log first.
+    faulthandler.enable()
     mountpoint = os.path.abspath(mountpoint)
     try:
         data_path, data_path_why = choose_data_path(settings.data_path)

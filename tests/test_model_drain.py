@@ -1,7 +1,9 @@
 """Model-based test of the drain: random namespace changes, drain steps, store faults and
 crashes, against a ``file://`` bucket (no FUSE).
 
-A Hypothesis state machine drives :class:`FsCore` and :class:`Drain` in-process. The model
+A Hypothesis state machine drives :class:`FsCore` and :class:`Drain` in-process (by turns,
+except that ``drain_while_changing`` makes a namespace change while a store call of the drain
+is in flight, right after it landed and before the drain has its answer). The model
 is the namespace itself (read back through fsmeta and the core) plus the checkpoints saved
 so far; the properties are what a checkpoint reader relies on:
 
@@ -88,6 +90,16 @@ SMALL = st.binary(min_size=0, max_size=64)
 BIG = st.integers(0, 255).map(lambda b: bytes([b]) * (PART + 4096))
 DATA = SMALL | SMALL | SMALL | BIG
 RENAME_FLAGS = st.sampled_from([0, 0, RENAME_NOREPLACE, RENAME_EXCHANGE])
+# Namespace changes the user makes while a drain's store call is in flight (rule name, its args)
+CONCURRENT_CHANGES = st.one_of(
+    st.tuples(st.just("rename"), PATHS, PATHS, RENAME_FLAGS),
+    st.tuples(st.just("unlink"), PATHS),
+    st.tuples(st.just("rmdir"), PATHS),
+    st.tuples(st.just("mkdir"), PATHS),
+    st.tuples(st.just("write_file"), PATHS, SMALL),
+    st.tuples(st.just("link"), PATHS, PATHS),
+    st.tuples(st.just("truncate"), PATHS, st.sampled_from([0, 1, 10])),
+)
 
 CHECKPOINTS = ["ck0", "ck1", "ck2"]
 SHARDS = ["s0", "s1", "sub/s2"]
@@ -147,6 +159,10 @@ class FaultyStore(RecStore):
         self.crash = False
         self.stop: trio.Event | None = None
         self.after_write = None  # async fn(store, op, key): checks the bucket while the drain runs
+        # [(n, fn)]: fn() runs once the n-th mutating call of this drain run has landed, before
+        # the drain sees its answer (a user changing the namespace while a request is in flight)
+        self.during: list[tuple[int, object]] = []
+        self.writes = 0  # mutating calls of this drain run that landed
 
     def faults_off(self) -> None:
         self.slowdowns = self.resets = 0
@@ -176,6 +192,10 @@ class FaultyStore(RecStore):
             result = await super()._call(op, key, extra, fn)
             if self.after_write is not None:
                 await self.after_write(self._inner, op, key)
+            self.writes += 1
+            for due, change in [d for d in self.during if d[0] <= self.writes]:
+                self.during.remove((due, change))
+                change()
             return result
         return await super()._call(op, key, extra, fn)
 
@@ -303,7 +323,7 @@ class DrainModel(RuleBasedStateMachine):
 
         return trio.run(run)
 
-    def run_drain(self, *, budget: int | None, crash: bool = False) -> None:
+    def run_drain(self, *, budget: int | None, crash: bool = False, during=()) -> None:
         async def run():
             async with self.env.store() as inner:
                 if self.rec is None:
@@ -312,6 +332,7 @@ class DrainModel(RuleBasedStateMachine):
                 self.rec._inner = inner
                 self.rec.events.clear()
                 self.rec.budget, self.rec.crash = budget, crash
+                self.rec.writes, self.rec.during = 0, list(during)
                 self.rec.stop = stop = trio.Event()
                 drain = Drain(str(self.env.cache), self.env.meta, self.env.settings, self.rec, clock=self.clock)
                 with trio.fail_after(DRAIN_TIMEOUT):
@@ -326,6 +347,7 @@ class DrainModel(RuleBasedStateMachine):
         finally:
             if self.rec is not None:
                 self.rec.budget = None
+                self.rec.during = []  # a change whose call never came is not made
         assert self.violation is None, self.violation
 
     # -- the bucket ------------------------------------------------------------------------
@@ -444,6 +466,11 @@ class DrainModel(RuleBasedStateMachine):
         if parent is not None:
             self.fs(self.core.mkdir, parent, name, 0o755, USER)
 
+    @rule(path=PATHS)
+    def mkdir_below(self, path):
+        """A directory inside a directory: renames then move whole subtrees with their files."""
+        self.mkdir(path)
+
     @rule(path=DIR_PATHS)
     def rmdir(self, path):
         parent, name = self.parent_and_name(path)
@@ -478,6 +505,20 @@ class DrainModel(RuleBasedStateMachine):
     def drain_some(self, budget):
         """The drain works for a while (``budget`` store writes), then stops mid-flight."""
         self.run_drain(budget=budget)
+
+    @rule(budget=st.integers(1, 12), at=st.integers(1, 6), change=CONCURRENT_CHANGES)
+    def drain_while_changing(self, budget, at, change):
+        """The user changes the namespace while the drain works: right after the ``at``-th
+        store write of this run lands, before the drain has its answer or has committed it
+        (the drain and the gateway are separate processes in use; only the store call's
+        await separates them here)."""
+        name, *args = change
+
+        def make_change() -> None:
+            event(f"changed while the drain ran: {name}")
+            getattr(self, name)(*args)
+
+        self.run_drain(budget=budget, during=[(at, make_change)])
 
     @rule(budget=st.integers(0, 12))
     def drain_crashes(self, budget):
