@@ -275,8 +275,9 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
         return 1
 
     # A fault in native code (the front end, libfuse, LMDB) would end the gateway with no
-    # trace: print every thread's Python stack to the log first.
-    faulthandler.enable()
+    # trace: print every thread's Python stack to the log (fd 2) first.
+    if sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__)
     mountpoint = os.path.abspath(mountpoint)
     try:
         data_path, data_path_why = choose_data_path(settings.data_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -164,3 +165,17 @@ def test_unexpected_handler_exception_is_eio_logged_counted_and_survived(gateway
     metrics = gateway.metrics()
     assert 'ckptfs_fuse_unexpected_errors_total{op="getxattr"} 1.0' in metrics
     assert 'ckptfs_fuse_unexpected_errors_total{op="unlink"} 1.0' in metrics
+
+
+def test_a_fault_in_native_code_leaves_every_threads_stack_in_the_log(gateway_factory):
+    """The gateway once died under the churn hunt without a line in its log. A fault in the
+    front end, libfuse or LMDB kills the process from native code: faulthandler writes the
+    Python stack of every thread to the log (stderr) first."""
+    gw = gateway_factory()
+    (gw.mnt / "f").write_bytes(b"x")
+    os.kill(gw.proc.pid, signal.SIGSEGV)  # what a fault in native code raises
+    assert gw.proc.wait(30) == -signal.SIGSEGV
+    log = gw.log()
+    assert "Fatal Python error: Segmentation fault" in log
+    assert log.count("Thread 0x") >= 2, log[-3000:]  # the FUSE threads too, not only the main one
+    gw.clear_dead_mount()
