@@ -39,9 +39,9 @@ def two_nodes(gateway_factory, tmp_path):
         assert not gw.unexpected(), gw.log()[-8000:]
 
 
-def wait_durable(gw) -> None:
-    r = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "30"], check=False,
-                       capture_output=True, text=True, timeout=60, cwd=str(REPO))
+def wait_durable(gw, timeout: float = 30) -> None:
+    r = subprocess.run([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", str(timeout)], check=False,
+                       capture_output=True, text=True, timeout=timeout + 30, cwd=str(REPO))
     assert r.returncode == 0, r.stdout + r.stderr + gw.log()[-4000:]
 
 
@@ -186,7 +186,7 @@ CHURN_SECONDS = float(os.environ.get("CKPTFS_CHURN_SECONDS", "5"))
 
 
 @pytest.mark.skipif(not os.environ.get("CKPTFS_CHURN_ROUNDS"),
-                    reason="a hunt (integration/README.md): it still finds a drain defect now and then")
+                    reason="a hunt (integration/README.md), not yet run long enough to call it never flaky")
 @pytest.mark.parametrize("data_path", DATA_PATHS)
 def test_what_a_shows_after_concurrent_churn_with_the_drain_live_is_what_b_sees(gateway_factory, tmp_path):
     """The drain works while writers change the namespace under it (settle 0.1 s): eight
@@ -228,7 +228,7 @@ def test_what_a_shows_after_concurrent_churn_with_the_drain_live_is_what_b_sees(
                 where.setdefault(name, set()).update(result["where"][name])
         assert set(seen) <= EXPECTED, (seen, {k: v for k, v in where.items() if k not in EXPECTED},
                                        a.log()[-6000:])
-        wait_durable(a)
+        wait_durable(a, timeout=120)  # seconds of churn leave a backlog of moves and deletes
         expected = tree(a.mnt)
         fresh = gateway_factory(bucket=a.bucket, extra_args=("--config", str(config)))
         assert tree(fresh.mnt) == expected, ("fresh node", round_no, _tree_diff(expected, tree(fresh.mnt)))
