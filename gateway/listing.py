@@ -541,6 +541,13 @@ class RemoteNames:
                 txn.put_inode(inode)
                 seen.append((ino, entry.key))
                 continue
+            if inode.nlink > 1:
+                # A hard link whose other names' copies are not known to differ: all its names
+                # take the new content, as before (the old inode keeps its record's key).
+                self._set_attrs(inode, got.info, got.target)
+                durability.mark_remote_changed(txn, inode, self._record(entry.key, got.info))
+                stale.append((ino, entry.key))
+                continue
             # New content: to this node a new file at the name (a new inode number), as after
             # a rename over it. With the writeback cache the kernel keeps a cached regular
             # file's size and pages whatever GETATTR says; only a new inode is asked afresh.
