@@ -227,7 +227,7 @@ def test_what_a_shows_after_concurrent_churn_with_the_drain_live_is_what_b_sees(
                 seen[name] = seen.get(name, 0) + n
                 where.setdefault(name, set()).update(result["where"][name])
         assert set(seen) <= EXPECTED, (seen, {k: v for k, v in where.items() if k not in EXPECTED},
-                                       a.log()[-6000:])
+                                       f"gateway exit status {a.proc.poll()}", a.log()[-6000:])
         wait_durable(a, timeout=120)  # seconds of churn leave a backlog of moves and deletes
         expected = tree(a.mnt)
         fresh = gateway_factory(bucket=a.bucket, extra_args=("--config", str(config)))
