@@ -1478,7 +1478,8 @@ class Drain:
                 # A removed directory (rmdir, replaced by a rename) keeps its inode and
                 # remote record while the kernel holds a reference: that protects nothing.
                 # A removed file keeps its record only while it is open and its content is
-                # still that object (Namespace._drop_link): its purge tombstones it again.
+                # still that object (Namespace._drop_link): its purge (Txn.delete_inode)
+                # tombstones it again.
                 owner_inode = txn.get_inode(owner)
                 if owner_inode is None or (owner_inode.nlink == 0 and owner_inode.is_dir):
                     owner = None

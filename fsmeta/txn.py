@@ -105,9 +105,11 @@ class Txn:
         self._put("inodes", schema.ino_key(inode.ino), inode.pack())
 
     def delete_inode(self, ino: int) -> None:
-        """Remove every record of an inode (its data file is the caller's)."""
+        """Remove every record of an inode (its data file is the caller's). An object or upload
+        still recorded for it is tombstoned, or nothing would ever delete it: a file unlinked
+        while open keeps its object for its handles until this purge (gateway/namespace.py)."""
         key = schema.ino_key(ino)
-        self.delete_remote(ino)
+        self.forget_remote_object(ino)
         for db in ("inodes", "pending", "writers", "uploads", "orphans", "errors"):
             self._delete(db, key)
         for k, _ in list(self._iter_prefix("xattrs", key)):

@@ -553,8 +553,7 @@ class RemoteNames:
             # file's size and pages whatever GETATTR says; only a new inode is asked afresh.
             txn.remove_entry(dir_ino, entry.name)
             purge.append(self._drop_name(txn, inode))
-            self._add(txn, parent, entry, got.info, got.target)
-            stale.append((txn.lookup(dir_ino, entry.name), entry.key))
+            stale.append((self._add(txn, parent, entry, got.info, got.target), entry.key))
         for name, ino, key in plan.gone:
             purge += self._remove_if_gone(txn, parent, name, ino, key, fetched, present) or []
         txn.put_inode(parent)
@@ -572,10 +571,10 @@ class RemoteNames:
             info = got.info
         if txn.lookup(parent.ino, entry.name) is not None or self._shadowed(txn, entry, set()):
             return None  # created or removed here meanwhile: the local change wins
-        self._add(txn, parent, entry, info, got.target if got is not None else b"")
+        ino = self._add(txn, parent, entry, info, got.target if got is not None else b"")
         if entry.is_dir:
             parent.nlink += 1
-        return txn.lookup(parent.ino, entry.name)
+        return ino
 
     def _remove_if_gone(self, txn: Txn, parent: Inode, name: bytes, ino: int, key: str,
                         fetched: dict[str, Fetched], present: dict[str, bool]) -> list[int] | None:
@@ -629,8 +628,7 @@ class RemoteNames:
         txn.remove_entry(parent.ino, entry.name)
         inode.nlink -= 1
         txn.put_inode(inode)
-        self._add(txn, parent, entry, got.info, got.target)
-        return txn.lookup(parent.ino, entry.name)
+        return self._add(txn, parent, entry, got.info, got.target)
 
     def _drop_name(self, txn: Txn, inode: Inode) -> int:
         """One name of ``inode`` vanished from the bucket (not deleted here: no tombstone)."""
@@ -656,7 +654,7 @@ class RemoteNames:
             removed.append(self._drop_name(txn, inode))
         return removed
 
-    def _add(self, txn: Txn, parent: Inode, entry: Listed, info: ObjectInfo | None, target: bytes) -> None:
+    def _add(self, txn: Txn, parent: Inode, entry: Listed, info: ObjectInfo | None, target: bytes) -> int:
         inode = Inode(txn.alloc_ino(), DIR_MODE if entry.is_dir else FILE_MODE, self.uid, self.gid,
                       nlink=2 if entry.is_dir else 1, generation=1, parent=parent.ino,
                       state=FileState.DURABLE)
@@ -667,6 +665,7 @@ class RemoteNames:
         txn.add_entry(parent.ino, entry.name, inode.ino)
         if not entry.is_dir:
             durability.mark_remote(txn, inode, self._record(entry.key, info))
+        return inode.ino
 
     def _set_attrs(self, inode: Inode, info: ObjectInfo, target: bytes) -> None:
         """Attributes from the object's metadata (s3fs/rclone names), defaults where absent."""

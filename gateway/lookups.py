@@ -63,7 +63,6 @@ class LookupCounts:
                 return False
             if s.in_use(ino):
                 return False
-            txn.forget_remote_object(ino)  # an object kept for handles open at the unlink
             txn.delete_inode(ino)
             return True
         return purge

@@ -209,7 +209,7 @@ class Namespace:
         if inode.nlink == 0:
             if inode.state == FileState.REMOTE and self._is_open(inode.ino):
                 # Its handles still read (and fetch) the bucket's object: that goes when the
-                # inode is purged after the last close (LookupCounts), not while it is read.
+                # inode is purged after the last close (Txn.delete_inode), not while it is read.
                 txn.clear_pending(inode.ino)
             else:
                 txn.forget_remote_object(inode.ino)

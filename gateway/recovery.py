@@ -31,7 +31,6 @@ def recover(state: CoreState) -> dict:
         for ino in txn.iter_orphans():
             inode = txn.get_inode(ino)
             if inode is None or inode.nlink == 0:
-                txn.forget_remote_object(ino)  # kept while it was open (Namespace._drop_link)
                 txn.delete_inode(ino)
                 purged.append(ino)
             else:

@@ -781,4 +781,3 @@ def test_an_open_remote_file_unlinked_here_keeps_its_content_until_closed(node):
     node.drain()  # the last close: now the object goes
     assert node.bucket.head("ckpt/shard") is None
     assert node.problems() == []
-

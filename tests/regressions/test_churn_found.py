@@ -8,8 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from test_drain_support import RecStore, denv  # noqa: E402,F401
-
+from test_drain_support import denv  # noqa: E402,F401
 
 
 def classify(denv, key: str) -> str:  # noqa: F811
