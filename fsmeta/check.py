@@ -137,7 +137,7 @@ def cache_file_findings(txn: Txn, data_dir: str, *, skip_open: bool = False) -> 
     A pending file whose cache file is missing or shorter than its size has lost data that the
     bucket never received; one longer than its size has bytes a crash left past the last
     recorded size (the drain would upload the wrong length). ``skip_open``: leave files a live
-    gateway has open for writing alone.
+    gateway has open for writing alone, and its spare files (``Txn.spare_inos``).
     """
     findings = []
     try:
@@ -145,6 +145,7 @@ def cache_file_findings(txn: Txn, data_dir: str, *, skip_open: bool = False) -> 
     except FileNotFoundError:
         names = []
     present: dict[int, int] = {}
+    spares = txn.spare_inos()
     for name in names:
         path = os.path.join(data_dir, name)
         try:
@@ -156,6 +157,8 @@ def cache_file_findings(txn: Txn, data_dir: str, *, skip_open: bool = False) -> 
                                     cache_file=f"data/{name}", repairable=True))
             continue
         inode = txn.get_inode(ino)
+        if inode is None and skip_open and ino in spares:
+            continue  # a live gateway's spare, named for the inode a create will make
         if inode is None or not inode.is_reg:
             findings.append(Finding(ORPHAN_CACHE_FILE, f"no inode {ino} owns it",
                                     ino=ino, cache_file=f"data/{name}", repairable=True))

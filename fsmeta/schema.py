@@ -9,6 +9,10 @@ database      key                             value
 ============  ==============================  ============================================
 ``meta``      ``b"schema"``                   schema version, ascii int (``SCHEMA_VERSION``)
               ``b"next_ino"``                 u64: the next inode number to hand out
+              ``b"spare_inos"``               u64 first + u64 end: the numbers the gateway
+                                              reserved whose spare cache files
+                                              (``data/<ino>``, no inode yet) may exist
+                                              while it runs (gateway/spares.py)
               ``b"settings"``                 JSON: bucket URL and settings the cache
                                               belongs to (so ``ckptfs drain --cache-dir``
                                               needs nothing else)

@@ -79,6 +79,24 @@ class Txn:
         self._put("meta", b"next_ino", schema.pack_u64(ino + 1))
         return ino
 
+    def reserve_inos(self, n: int, oldest: int | None = None) -> int:
+        """Hand out ``n`` inode numbers at once, for the gateway's spare cache files
+        (gateway/spares.py); returns the first. ``spare_inos`` becomes the numbers its spares
+        may hold: from ``oldest`` (the lowest one a spare still holds), or else from the first."""
+        first = schema.unpack_u64(self._get("meta", b"next_ino"))
+        self._put("meta", b"next_ino", schema.pack_u64(first + n))
+        low = first if oldest is None else min(oldest, first)
+        self._put("meta", b"spare_inos", schema.pack_u64(low) + schema.pack_u64(first + n))
+        return first
+
+    def spare_inos(self) -> range:
+        """The inode numbers the live gateway's spare cache files may hold (see reserve_inos)."""
+        raw = self._get("meta", b"spare_inos")
+        if raw is None:
+            return range(0)
+        raw = bytes(raw)
+        return range(schema.unpack_u64(raw[:8]), schema.unpack_u64(raw[8:16]))
+
     def init_root(self) -> None:
         now = time.time_ns()
         root = Inode(

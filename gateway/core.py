@@ -168,11 +168,17 @@ class FsCore:
     def space(self) -> CacheSpace | None:
         return self._state.space
 
-    def enable_spares(self, target: int = SPARES_TARGET, recycled_max: int = RECYCLED_MAX) -> Spares:
+    def enable_spares(self, target: int = SPARES_TARGET, recycled_max: int = RECYCLED_MAX, *,
+                      make_new: bool = True) -> Spares:
         """Make empty cache files ahead of creates (gateway/spares.py); after :meth:`recover`.
         :meth:`close_spares` stops it."""
-        self._state.spares = Spares(self._state.cache.spare_dir, target, recycled_max,
-                                    sync_removals=self._state.meta.sync).start()
+        meta = self._state.meta
+
+        def reserve(n: int, oldest: int | None) -> int:
+            return meta.write(lambda txn: txn.reserve_inos(n, oldest))
+
+        self._state.spares = Spares(self._state.cache.spare_dir, self._state.data_path, reserve, target,
+                                    recycled_max, sync_removals=meta.sync, make_new=make_new).start()
         return self._state.spares
 
     def close_spares(self) -> None:
@@ -457,12 +463,20 @@ class FsCore:
         """O_CREAT open of a name that the kernel found missing (O_EXCL is implied)."""
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         seen_claims = self._state.claim_seq
-        inode = self._namespace.create_file(parent, name, mode, caller,
-                                            then=OpenFiles.register_created_writer if writable else None)
+        spares = self._state.spares
+        spare = spares.take() if spares is not None else None  # its file is data/<its ino> already
+        try:
+            inode = self._namespace.create_file(parent, name, mode, caller, ino=spare and spare.ino,
+                                                then=OpenFiles.register_created_writer if writable else None)
+        except BaseException:
+            if spare is not None:
+                spares.give_back(spare)
+            raise
         try:
             while True:
                 try:
-                    fh = self._files.open_handle(inode, flags, created=True, seen_claims=seen_claims)
+                    fh = self._files.open_handle(inode, flags, created=True, seen_claims=seen_claims,
+                                                 spare=spare)
                     break
                 except EvictedMeanwhile:
                     # A setattr of the new name came first (a core caller: FUSE holds the
@@ -474,6 +488,9 @@ class FsCore:
             # No name, reference or writer (the drain would wait for it forever) is left
             self._namespace.abandon_create(parent, name, inode.ino, writer=writable)
             raise
+        finally:
+            if spare is not None:
+                spare.discard()  # (unless the open file took its descriptor)
         return fh, self._attr(inode)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:

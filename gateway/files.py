@@ -23,6 +23,7 @@ from . import datapath
 from .errors import FsError
 from .fetch import ReadAhead, RemoteFile
 from .lookups import LookupCounts
+from .spares import Spare
 from .state import CoreState, EvictedMeanwhile, need_inode
 from .writeback import WriteBehind
 
@@ -73,7 +74,7 @@ class OpenFiles:
         self._lookups = lookups
 
     def open_handle(self, inode: Inode, flags: int, *, seen_claims: int | None = None,
-                    created: bool = False) -> int:
+                    created: bool = False, spare: Spare | None = None) -> int:
         """A handle on ``inode``. ``seen_claims``: ``CoreState.claim_seq`` before the caller
         read ``inode``; if a claim (an eviction, a truncate without a handle) was taken or
         ended since, or a last close stored a size, :class:`EvictedMeanwhile` asks the caller
@@ -82,7 +83,8 @@ class OpenFiles:
         ``created``: ``inode`` was just made by this open (O_CREAT): its cache file is new,
         and, for an open for writing, the transaction that made it also counted the writer
         (:meth:`register_created_writer`), so no generation bump is due before its first
-        bytes (nobody saw the inode without a writer)."""
+        bytes (nobody saw the inode without a writer). ``spare``: the spare cache file the
+        create took (its descriptor is taken here)."""
         s = self._state
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
@@ -108,7 +110,7 @@ class OpenFiles:
                 if of is not None:  # open natively: a mode cannot change while a handle is open
                     s.fetcher.release(remote)
                     raise FsError(errno.EIO, f"inode {inode.ino} is open on the native data path")
-                fd = s.create_cache_file(inode.ino) if created else s.open_cache_file(inode.ino)
+                fd = s.create_cache_file(inode.ino, spare) if created else s.open_cache_file(inode.ino)
                 # Only a create for writing counted its writer with the inode (a read-only
                 # create did not: a later writer's first bytes must bump).
                 of = OpenFile(inode.ino, fd, inode.size, inode.mtime_ns, inode.ctime_ns, remote=remote,

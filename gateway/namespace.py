@@ -49,14 +49,16 @@ class Namespace:
     def _begin_change(self) -> None:
         self._touched.dirs = {}
 
-    def _new_inode(self, txn: Txn, parent: Inode, mode: int, caller: Caller, now: int) -> Inode:
+    def _new_inode(self, txn: Txn, parent: Inode, mode: int, caller: Caller, now: int,
+                   ino: int | None = None) -> Inode:
+        """``ino``: a number reserved for it (a spare cache file's, gateway/spares.py)."""
         gid = caller.gid
         if parent.mode & stat.S_ISGID:
             gid = parent.gid  # BSD group semantics of setgid directories
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
         return Inode(
-            txn.alloc_ino(),
+            txn.alloc_ino() if ino is None else ino,
             mode,
             caller.uid,
             gid,
@@ -77,8 +79,10 @@ class Namespace:
         self._touched.dirs[inode.ino] = inode  # (a re-run of the transaction replaces it)
 
     def _create_node(self, parent: int, name: bytes, mode: int, caller: Caller, *,
-                     target: bytes = b"", rdev: int = 0, then: Callable[[Txn, Inode], None] | None = None) -> Inode:
-        """``then``: more to do with the new inode in the same transaction."""
+                     target: bytes = b"", rdev: int = 0, then: Callable[[Txn, Inode], None] | None = None,
+                     ino: int | None = None) -> Inode:
+        """``then``: more to do with the new inode in the same transaction; ``ino``: a number
+        reserved for it."""
         check_name(name)
         now = self._state.clock()
         is_dir = stat.S_ISDIR(mode)
@@ -90,7 +94,7 @@ class Namespace:
             if txn.lookup(parent, name) is not None:
                 raise FsError(errno.EEXIST)
             self._keys.check(txn, parent, name, is_dir=is_dir)
-            inode = self._new_inode(txn, parent_inode, mode, caller, now)
+            inode = self._new_inode(txn, parent_inode, mode, caller, now, ino)
             inode.target = target
             inode.rdev = rdev
             if is_dir:
@@ -143,12 +147,13 @@ class Namespace:
         return self._create_node(parent, name, stat.S_IFLNK | 0o777, caller, target=target)
 
     def create_file(self, parent: int, name: bytes, mode: int, caller: Caller, *,
-                    then: Callable[[Txn, Inode], None] | None = None) -> Inode:
+                    then: Callable[[Txn, Inode], None] | None = None, ino: int | None = None) -> Inode:
         """The name of an O_CREAT open that the kernel found missing; the caller opens it,
         making its cache file with ``CoreState.create_cache_file``. ``then``: what the open
-        records in fsmeta, done in the same transaction (one nested transaction, not three)."""
+        records in fsmeta, done in the same transaction (one nested transaction, not three).
+        ``ino``: the number of the spare cache file the create took (gateway/spares.py)."""
         return self._create_node(parent, name, stat.S_IFREG | (stat.S_IMODE(mode) & ~caller.umask), caller,
-                                 then=then)
+                                 then=then, ino=ino)
 
     def abandon_create(self, parent: int, name: bytes, ino: int, *, writer: bool = False) -> None:
         """Undo :meth:`create_file` whose cache file or handle could not be made: the kernel

@@ -1,34 +1,45 @@
-"""Empty cache files made ahead of time, so that a create allocates no inode while the caller waits.
+"""Empty cache files made ahead of time, already at the name of the inode a create will give them.
 
 Allocating an inode can be the dearest part of a create: on this machine's ext4 (no journal)
 it skips every inode freed in the last half minute by reading their inode-table blocks, about
 600 µs of system time per create after a run of deletes (docs/DESIGN.md, "Metadata operation
-performance"). A background thread keeps up to ``target`` empty files in ``CACHE/spare/``,
-each with an open O_RDWR descriptor; a create renames one into ``data/<ino>`` (a rename
-allocates nothing) and uses its descriptor. The allocation still happens, but on the other
-core, between requests. The thread is woken only once fewer than half of ``target`` are left,
-and then tops the pool up in one go.
+performance"). A background thread keeps up to ``target`` empty files ready for creates,
+each with an open O_RDWR descriptor, and each already named ``data/<ino>`` for an inode
+number it reserved in fsmeta (``reserve``: one transaction for a run of numbers). A create
+takes one and makes its inode with that number: it does no system call on the cache
+directory while its caller waits. The allocation, the rename and the checks all happen on
+the other core, between requests. The thread is woken only once fewer than half of
+``target`` are left, and then tops the pool up in one go.
+
+A reserved number is used once or never: an inode number is never handed out twice, and a
+spare nobody took is removed at close. A crash leaves the unused ones as empty
+``data/<ino>`` files no inode owns, which the next start removes as stray cache files
+(gateway/recovery.py) before any spare is made. While a gateway runs, fsmeta's
+``spare_inos`` says which numbers its spares may hold, so that ``ckptfs fsck`` does not
+take them for orphans.
 
 The cache files of removed inodes are recycled instead of being unlinked, up to
 :data:`RECYCLED_MAX` of them: after a checkpoint's files are deleted, the next checkpoint's
 creates reuse their inodes, and neither side allocates or frees one (freeing is not free
-either: each freed inode is one more that the next allocations skip). In two steps:
+either: each freed inode is one more that the next allocations skip). In three steps:
 
 1. :meth:`Spares.recycle` (whoever removes the cache file) renames it into ``spare/``, bytes
    and all, exactly where it would have unlinked it: for a crash, a name gone from ``data/``.
 2. The thread empties it later, once fsmeta's removal of its inode is on the device (one
    ``MetaStore.sync`` for a batch of them, at most every :data:`EMPTY_EVERY_SECONDS`), so a
    power cut can never bring back an inode whose cache file is already empty.
+3. The thread renames it to the ``data/<ino>`` of a reserved number and opens it there, as
+   it does with a new spare.
 
-Both steps, and a create taking a recycled file, first take a write lease, which the kernel
-grants only while no other descriptor has the file open: a reader of the removed file (the
-drain uploading it, ``ckptfs verify`` hashing it) keeps its bytes, and such a file is unlinked
-instead. An open that comes while a lease is held waits for it, and then holds a file that is
-removed from the pool at the next step.
+Steps 1 and 2, and the open in step 3, first take a write lease, which the kernel grants
+only while no other descriptor has the file open: a reader of the removed file (the drain
+uploading it, ``ckptfs verify`` hashing it) keeps its bytes, and such a file is unlinked
+instead. An open that comes while a lease is held waits for it, and then holds a file that
+is removed from the pool at the next step.
 
-A spare is nobody's file until it is renamed into ``data/``: a crash leaves spares behind (a
-power cut even perhaps a spare also named in ``data/``), so the gateway removes every leftover
-in ``spare/`` at start, before the thread makes new ones.
+A spare in ``spare/`` is nobody's file: a crash leaves spares behind (a power cut even
+perhaps a spare also named in ``data/``), so the gateway removes every leftover in
+``spare/`` at start, before the thread makes new ones.
 """
 
 from __future__ import annotations
@@ -52,22 +63,57 @@ EMPTY_EVERY_SECONDS = 0.5  # recycled files are emptied in batches, one fsmeta s
 # file still holds its blocks, which an unlink (the evictor's above all) frees at once.
 RECYCLE_MAX_BYTES = 1 << 20  # allocated bytes of a file recycled (bigger ones are unlinked)
 WAITING_MAX_BYTES = 64 << 20  # allocated bytes of all the recycled files not emptied yet
+PLACE_BATCH = 256  # spares named per reservation of inode numbers (one fsmeta write)
 RETRY_SECONDS = 5.0  # after a failed create of a spare (ENOSPC, EMFILE): wait, then try again
 
 _FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
 
 
+class Spare:
+    """A spare a create took: the inode number it is named for and its descriptor; or, when
+    none was named yet, a recycled file in ``spare/`` (``path``) for the create to rename to
+    its inode's name itself (:meth:`CoreState.create_cache_file`)."""
+
+    __slots__ = ("ino", "fd", "path")
+
+    def __init__(self, ino: int | None, fd: int, path: str | None = None):
+        self.ino = ino
+        self.fd = fd
+        self.path = path
+
+    def take_fd(self) -> int:
+        """The descriptor, now the caller's to close."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def discard(self) -> None:
+        """Close the descriptor unless it was taken (the file stays: its inode's now)."""
+        if self.fd >= 0:
+            os.close(self.take_fd())
+        if self.path is not None:
+            _unlink_quietly(self.path)  # a recycled file nobody took (unlinked, not renamed)
+            self.path = None
+
+
 class Spares:
-    def __init__(self, spare_dir: str, target: int = SPARES_TARGET, recycled_max: int = RECYCLED_MAX,
-                 sync_removals: Callable[[], None] | None = None):
+    def __init__(self, spare_dir: str, data_path: Callable[[int], str],
+                 reserve: Callable[[int, int | None], int], target: int = SPARES_TARGET,
+                 recycled_max: int = RECYCLED_MAX, sync_removals: Callable[[], None] | None = None,
+                 make_new: bool = True):
+        """``reserve(n, oldest)``: reserve ``n`` inode numbers in fsmeta and return the first;
+        ``oldest`` is the lowest number a spare still holds (None: none), for ``spare_inos``.
+        ``make_new``: make new files when no recycled one is ready (False: recycle only)."""
         self._dir = spare_dir
+        self._data_path = data_path
+        self._reserve = reserve
         self._target = target
         self._low_water = max(1, target // 2)  # a take that leaves fewer wakes the thread
         self._recycled_max = recycled_max
+        self._make_new = make_new
         # makes every removal committed so far durable (MetaStore.sync); None: no recycling
         self._sync_removals = sync_removals
-        # (fd, path); fd -1: a recycled file, opened by whoever takes it
-        self._pool: collections.deque[tuple[int, str]] = collections.deque()
+        self._placed: collections.deque[tuple[int, int]] = collections.deque()  # (ino, fd) at data/<ino>
+        self._ready: collections.deque[str] = collections.deque()  # recycled and emptied, in spare/
         self._to_empty: list[str] = []  # recycled, bytes still there (step 2 to come)
         self._to_empty_bytes = 0
         self._emptied_at = 0.0
@@ -75,10 +121,11 @@ class Spares:
         self._stopping = False
         self._names = itertools.count()
         self._thread: threading.Thread | None = None
-        self.made = 0  # spares made so far (tests, logs)
+        self.made = 0  # new files made so far (tests, logs)
+        self.placed = 0  # spares named for a reserved inode, new or recycled
         self.taken = 0
         self.recycled = 0  # cache files of removed inodes taken in (step 1)
-        self.emptied = 0  # ... and offered to creates (step 2)
+        self.emptied = 0  # ... and emptied (step 2)
 
     def start(self) -> "Spares":
         """Remove what an earlier run left in ``spare/`` and start making spares."""
@@ -97,21 +144,40 @@ class Spares:
         self._thread.start()
         return self
 
-    def take(self) -> tuple[int, str] | None:
-        """An empty spare ``(fd, path)`` for the caller to rename and keep (fd -1: the caller
-        opens it after the rename), or None (none ready: the caller creates its file itself)."""
+    def take(self) -> Spare | None:
+        """A spare for a create to make its inode with, or None (none ready: the create makes
+        its file itself). Give it back with :meth:`give_back` if no inode was made."""
         with self._cond:
-            if not self._pool:
+            if self._placed:
+                ino, fd = self._placed.popleft()
+                spare = Spare(ino, fd)
+            elif self._ready:  # the thread has not named it yet: the create renames it
+                spare = Spare(None, -1, self._ready.popleft())
+            else:
                 self._cond.notify()
                 return None
-            spare = self._pool.popleft()
             self.taken += 1
-            if len(self._pool) < self._low_water:
+            if len(self._placed) < self._low_water:
                 # Woken only here, the thread tops the pool up in one go. Waking it at every
                 # take would cost each create a thread switch on the other CPU, and the GIL
                 # for the thread's own turn (docs/DESIGN.md, "Round 9").
                 self._cond.notify()
             return spare
+
+    def give_back(self, spare: Spare) -> None:
+        """A spare whose create failed before its inode was made: the next create takes it."""
+        with self._cond:
+            if not self._stopping:
+                if spare.path is not None:
+                    self._ready.appendleft(spare.path)
+                    spare.path = None
+                elif spare.fd >= 0:
+                    self._placed.appendleft((spare.ino, spare.take_fd()))
+                self.taken -= 1
+                return
+        if spare.ino is not None and spare.fd >= 0:
+            _unlink_quietly(self._data_path(spare.ino))
+        spare.discard()
 
     def recycle(self, path: str) -> bool:
         """Take the cache file at ``path`` (of an inode whose removal is committed) for a later
@@ -120,7 +186,8 @@ class Spares:
         if self._sync_removals is None:
             return False
         with self._cond:
-            if self._stopping or len(self._pool) + len(self._to_empty) >= self._recycled_max:
+            kept = len(self._placed) + len(self._ready) + len(self._to_empty)
+            if self._stopping or kept >= self._recycled_max:
                 return False
         spare_path = os.path.join(self._dir, f"r{next(self._names):x}")
         try:
@@ -156,18 +223,6 @@ class Spares:
         os.unlink(spare_path)  # closed meanwhile: nobody would take it
         return True
 
-    @staticmethod
-    def opened_by_nobody_else(fd: int) -> bool:
-        """No other descriptor has the file open (a write lease is granted, and given back).
-        A recycled spare is checked again when taken: a reader whose open waited for the
-        recycling's lease holds the emptied file, and must not see the next file's bytes."""
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        except OSError:
-            return False
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return True
-
     def _fill(self) -> None:
         while True:
             with self._cond:
@@ -175,13 +230,24 @@ class Spares:
                     if self._stopping:
                         return
                     wait = self._empty_due()
-                    if wait == 0.0 or len(self._pool) < self._target:
+                    wanted = self._wanted()
+                    if wait == 0.0 or wanted:
                         break
                     self._cond.wait(wait)
+                oldest = self._placed[0][0] if self._placed else None
             if wait == 0.0:
                 self._empty_recycled()
             else:
-                self._make_one()
+                self._place(wanted, oldest)
+
+    def _wanted(self) -> int:
+        """How many spares to name now: every recycled file ready (so that a burst of creates
+        after a burst of removals finds them all named), and new ones up to ``target``. Call
+        with ``_cond``."""
+        if self._target <= 0:
+            return 0
+        new = max(0, self._target - len(self._placed) - len(self._ready)) if self._make_new else 0
+        return min(PLACE_BATCH, len(self._ready) + new)
 
     def _empty_due(self) -> float | None:
         """Seconds until recycled files are due to be emptied (0: now), None if there are none.
@@ -211,7 +277,7 @@ class Spares:
             except OSError:
                 continue
             try:
-                if self.opened_by_nobody_else(fd):
+                if opened_by_nobody_else(fd):
                     os.ftruncate(fd, 0)
                     ready.append(path)
                     continue
@@ -224,28 +290,76 @@ class Spares:
             if self._stopping:
                 leftover = ready
             else:
-                self._pool.extend((-1, path) for path in ready)
+                self._ready.extend(ready)
                 self.emptied += len(ready)
                 leftover = []
         for path in leftover:
             _unlink_quietly(path)
 
-    def _make_one(self) -> None:
-        path = os.path.join(self._dir, f"{next(self._names):x}")
+    def _place(self, n: int, oldest: int | None) -> None:
+        """Step 3, and new spares: reserve ``n`` inode numbers and name a spare for each."""
         try:
-            fd = os.open(path, _FLAGS, 0o600)
-        except OSError as exc:
-            log.warning("cache directory: cannot make a spare file (%s); creates make their own", exc)
+            first = self._reserve(n, oldest)
+        except Exception as exc:  # noqa: BLE001 - fsmeta's own error; creates make their files
+            log.warning("cache directory: cannot reserve inode numbers for spare files (%s)", exc)
             with self._cond:
                 self._cond.wait(RETRY_SECONDS)
             return
-        with self._cond:
-            if not self._stopping:
-                self._pool.append((fd, path))
+        for ino in range(first, first + n):
+            fd = self._named_for(ino)
+            if fd is None:
+                return  # (the numbers left are never used: no number is handed out twice)
+            with self._cond:
+                if not self._stopping:
+                    self._placed.append((ino, fd))
+                    self.placed += 1
+                    continue
+            os.close(fd)
+            _unlink_quietly(self._data_path(ino))
+            return
+
+    def _named_for(self, ino: int) -> int | None:
+        """An empty file at ``data/<ino>`` and its O_RDWR descriptor: a recycled one if one is
+        ready, else a new one (if ``make_new``); None if neither could be had."""
+        path = self._data_path(ino)
+        while True:
+            with self._cond:
+                recycled = self._ready.popleft() if self._ready else None
+            if recycled is None:
+                break
+            try:
+                os.rename(recycled, path)  # (replaces a leftover a lost reservation left there)
+            except OSError:
+                _unlink_quietly(recycled)
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                _unlink_quietly(path)
+                continue
+            if opened_by_nobody_else(fd):
+                return fd
+            os.close(fd)
+            _unlink_quietly(path)
+        if not self._make_new:
+            return None
+        for _ in range(2):
+            try:
+                fd = os.open(path, _FLAGS, 0o600)
+            except FileExistsError:
+                # A power cut lost the reservation of this number while its file survived
+                # (a new file must never show a leftover's bytes).
+                _unlink_quietly(path)
+                continue
+            except OSError as exc:
+                log.warning("cache directory: cannot make a spare file (%s); creates make their own", exc)
+                with self._cond:
+                    self._cond.wait(RETRY_SECONDS)
+                return None
+            with self._cond:
                 self.made += 1
-                return
-        os.close(fd)
-        os.unlink(path)
+            return fd
+        return None
 
     def close(self) -> None:
         """Stop making spares and remove the ones left."""
@@ -255,13 +369,27 @@ class Spares:
         if self._thread is not None:
             self._thread.join(10)
         with self._cond:
-            pool, self._pool = list(self._pool), collections.deque()
-            pool += [(-1, path) for path in self._to_empty]
-            self._to_empty = []
-        for fd, path in pool:
-            if fd >= 0:
-                os.close(fd)
+            placed, self._placed = list(self._placed), collections.deque()
+            paths = list(self._ready) + self._to_empty
+            self._ready, self._to_empty = collections.deque(), []
+        for ino, fd in placed:
+            os.close(fd)
+            _unlink_quietly(self._data_path(ino))
+        for path in paths:
             _unlink_quietly(path)
+
+
+def opened_by_nobody_else(fd: int) -> bool:
+    """No other descriptor has the file open (a write lease is granted, and given back).
+    A recycled file is checked again when it is named for an inode: a reader whose open
+    waited for the recycling's lease holds the emptied file, and must not see the next
+    file's bytes."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
 
 
 def _unlink_quietly(path: str) -> None:

@@ -18,6 +18,7 @@ from ckptfs.fsmeta import Inode, MetaStore, Txn
 from ckptfs.fsmeta.layout import CacheDir
 
 from .errors import FsError
+from .spares import opened_by_nobody_else
 
 if TYPE_CHECKING:
     from .bucket import BucketClient
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .fetch import Fetcher
     from .files import Handle, OpenFile
     from .space import CacheSpace
-    from .spares import Spares
+    from .spares import Spare, Spares
 
 # Files created and closed without fsync pile up in CoreState.unsynced_cache_names;
 # past this many, closing a file syncs data/ once for all of them.
@@ -114,16 +115,21 @@ class CoreState:
             self.unsynced_cache_names.add(ino)
         return fd
 
-    def create_cache_file(self, ino: int) -> int:
-        """An O_RDWR fd on a new, empty cache file for a new inode.
+    def create_cache_file(self, ino: int, spare: Spare | None = None) -> int:
+        """An O_RDWR fd on a new, empty cache file for a new inode: the spare file the create
+        took for it (gateway/spares.py), or else one made now.
 
         A power cut can lose the commit that handed out this inode number while its cache
         file survived: a new file must never show such leftover bytes, so a file already
         there is removed first (O_EXCL: one syscall when there is none, the usual case).
         """
-        path = self.data_path(ino)
-        fd = self._take_spare(path)
-        if fd is None:
+        fd = -1
+        if spare is not None and spare.ino == ino and spare.fd >= 0:
+            fd = spare.take_fd()
+        elif spare is not None and spare.path is not None:
+            fd = self._rename_recycled(spare, ino)
+        if fd < 0:
+            path = self.data_path(ino)
             flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
             try:
                 fd = os.open(path, flags, 0o600)
@@ -134,27 +140,22 @@ class CoreState:
             self.unsynced_cache_names.add(ino)
         return fd
 
-    def _take_spare(self, path: str) -> int | None:
-        """A spare empty file (gateway/spares.py) renamed to ``path``, or None. The rename
-        also replaces a leftover at ``path``, as a new file must."""
-        spare = self.spares.take() if self.spares is not None else None
-        if spare is None:
-            return None
-        fd, spare_path = spare
+    def _rename_recycled(self, spare: Spare, ino: int) -> int:
+        """The recycled file ``spare.path`` renamed to the inode's name (which also replaces a
+        leftover there, as a new file must) and opened; -1 if it cannot be used."""
+        recycled, spare.path = spare.path, None
+        path = self.data_path(ino)
         try:
-            os.rename(spare_path, path)
+            os.rename(recycled, path)
         except OSError:
-            if fd >= 0:
-                os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(spare_path)
-            return None
-        if fd < 0:  # a recycled file: opened here, by its new name
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            if not self.spares.opened_by_nobody_else(fd):
-                os.close(fd)
-                os.unlink(path)
-                return None
+                os.unlink(recycled)
+            return -1
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if not opened_by_nobody_else(fd):
+            os.close(fd)
+            os.unlink(path)
+            return -1
         return fd
 
     def sync_cache_names(self, ino: int) -> None:

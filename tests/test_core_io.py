@@ -289,7 +289,7 @@ def test_a_created_file_reaches_the_drain_with_its_writer_and_a_failed_create_le
 
     failed = []
 
-    def full_device(ino):
+    def full_device(ino, spare=None):
         failed.append(ino)
         raise OSError(errno.ENOSPC, "No space left on device")
 

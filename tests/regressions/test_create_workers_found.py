@@ -29,7 +29,7 @@ def test_a_create_whose_cache_file_cannot_be_made_leaves_no_name(core, monkeypat
     failed = []
     real = core._state.create_cache_file
 
-    def full_device(ino):
+    def full_device(ino, spare=None):
         failed.append(ino)
         raise OSError(errno.ENOSPC, "No space left on device")
 
