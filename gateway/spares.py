@@ -35,7 +35,9 @@ Steps 1 and 2, and the open in step 3, first take a write lease, which the kerne
 only while no other descriptor has the file open: a reader of the removed file (the drain
 uploading it, ``ckptfs verify`` hashing it) keeps its bytes, and such a file is unlinked
 instead. An open that comes while a lease is held waits for it, and then holds a file that
-is removed from the pool at the next step.
+is removed from the pool at the next step. The kernel announces such an open to the lease
+holder with SIGIO, which would end the process: the pool ignores SIGIO (process-wide, set
+from the main thread at :meth:`Spares.start`), or else recycles nothing.
 
 A spare in ``spare/`` is nobody's file: a crash leaves spares behind (a power cut even
 perhaps a spare also named in ``data/``), so the gateway removes every leftover in
@@ -49,6 +51,7 @@ import fcntl
 import itertools
 import logging
 import os
+import signal
 import stat
 import threading
 import time
@@ -140,6 +143,10 @@ class Spares:
                     pass
         if removed:
             log.info("cache directory: removed %d spare file(s) of an earlier run", removed)
+        if self._sync_removals is not None and not _lease_breaks_ignored():
+            log.warning("cache directory: lease breaks cannot be ignored outside the main thread; "
+                        "cache files of removed inodes are unlinked, not recycled")
+            self._sync_removals = None
         self._thread = threading.Thread(target=self._fill, name="ckptfs-spares", daemon=True)
         self._thread.start()
         return self
@@ -377,6 +384,25 @@ class Spares:
             _unlink_quietly(self._data_path(ino))
         for path in paths:
             _unlink_quietly(path)
+
+
+def _lease_breaks_ignored() -> bool:
+    """Make sure a lease break cannot end the process; False if that cannot be done here.
+
+    When another process opens a file this one holds a lease on, the kernel tells the holder
+    with a signal, SIGIO unless F_SETSIG chose another, and SIGIO's default action ends the
+    process without a trace: no log line, no kernel message, the mount gone. The drain opens
+    cache files to upload them, so now and then it opens one while a lease is held (the
+    churn hunt's silent gateway deaths, docs/DESIGN.md). Nothing here waits for the signal:
+    the lease is given back within microseconds, and the opener's open(2) waits until then.
+    Ignoring it is process-wide (the drain the gateway starts inherits it, and uses no SIGIO);
+    only the main thread may change it."""
+    if signal.getsignal(signal.SIGIO) == signal.SIG_IGN:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
+    return True
 
 
 def opened_by_nobody_else(fd: int) -> bool:

@@ -168,9 +168,9 @@ def test_unexpected_handler_exception_is_eio_logged_counted_and_survived(gateway
 
 
 def test_a_fault_in_native_code_leaves_every_threads_stack_in_the_log(gateway_factory):
-    """The gateway once died under the churn hunt without a line in its log. A fault in the
-    front end, libfuse or LMDB kills the process from native code: faulthandler writes the
-    Python stack of every thread to the log (stderr) first."""
+    """A fault in the front end, libfuse or LMDB kills the process from native code:
+    faulthandler writes the Python stack of every thread to the log (stderr) first. (Added
+    while the churn hunt's silent deaths were not explained; they were SIGIO, next test.)"""
     gw = gateway_factory()
     (gw.mnt / "f").write_bytes(b"x")
     os.kill(gw.proc.pid, signal.SIGSEGV)  # what a fault in native code raises
@@ -179,3 +179,17 @@ def test_a_fault_in_native_code_leaves_every_threads_stack_in_the_log(gateway_fa
     assert "Fatal Python error: Segmentation fault" in log
     assert log.count("Thread 0x") >= 2, log[-3000:]  # the FUSE threads too, not only the main one
     gw.clear_dead_mount()
+
+
+def test_the_signal_of_a_lease_break_does_not_end_the_gateway(gateway_factory):
+    """The churn hunt's silent gateway deaths (exit status -SIGIO): when another process (the
+    drain) opens a cache file while the gateway holds a lease on it to recycle it, the kernel
+    sends the gateway SIGIO, whose default action ends a process without a trace
+    (tests/regressions/test_churn_found.py makes that lease break happen)."""
+    gw = gateway_factory()
+    (gw.mnt / "f").write_bytes(b"x")
+    os.kill(gw.proc.pid, signal.SIGIO)  # what a lease break sends
+    time.sleep(0.2)
+    assert gw.alive, f"exit status {gw.proc.returncode}"
+    assert (gw.mnt / "f").read_bytes() == b"x"
+    assert gw.stop() == 0

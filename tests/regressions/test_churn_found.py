@@ -4,6 +4,8 @@ reduced to plain code. Keep every one of these: each failed before its fix."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
@@ -67,3 +69,58 @@ def test_a_settled_directorys_marker_is_kept_by_its_tombstone_of_a_live_name(den
         assert txn.get_pending(ino) is None
     denv.meta.write(lambda txn: (txn.delete_remote(ino), txn.add_tombstone("p/e/")))
     assert classify(denv, "p/e/") == "drop"
+
+
+LEASE_BREAK_SCRIPT = r"""
+import os, subprocess, sys, time
+from ckptfs.fsmeta.store import MetaStore
+from ckptfs.gateway.core import Caller, FsCore
+from ckptfs.gateway import spares as spares_module
+
+cache = sys.argv[1]
+meta = MetaStore(os.path.join(cache, "meta"))
+core = FsCore(cache, meta)
+core.recover()
+core.enable_spares(target=0)  # recycling only, as the gateway does it
+root = Caller(uid=0, gid=0, umask=0o022)
+fh, attr = core.create(1, b"f", 0o644, os.O_RDWR, root)
+core.write(fh, 0, b"the removed file's bytes")
+core.release(fh)
+cache_file = core._state.data_path(attr.ino)
+real_rename = os.rename
+openers = []
+
+def rename_while_someone_opens(src, dst):
+    # Another process (the drain uploading it, `ckptfs verify`) opens the file while the
+    # recycling holds its lease: the kernel breaks the lease by signalling this process.
+    if src == cache_file and not openers:
+        openers.append(subprocess.Popen([sys.executable, "-c", f"import os; os.open({src!r}, os.O_RDONLY)"]))
+        time.sleep(0.5)  # the opener is blocked in open(2) on the lease by now
+    real_rename(src, dst)
+
+spares_module.os.rename = rename_while_someone_opens
+core.unlink(1, b"f")
+core.forget([(attr.ino, 1)])
+meta.commit()  # the removal's after-commit action recycles the cache file
+assert openers, "the recycling never renamed the cache file"
+assert openers[0].wait(30) == 0
+core.close_spares()
+meta.close()
+print("the gateway survived the lease break")
+"""
+
+
+def test_a_process_opening_a_cache_file_the_gateway_recycles_does_not_kill_the_gateway(tmp_path):
+    """The churn hunt's silent gateway deaths: no log line, no kernel message, the mount gone
+    (ENOTCONN) in the first seconds of a round. Recycling a removed file's cache file takes a
+    write lease on it (gateway/spares.py); when another process opens the file meanwhile, the
+    kernel breaks the lease by sending the holder SIGIO, whose default action ends the process
+    without a trace. The drain opens cache files to upload them, so under churn it sometimes
+    opened one at that very moment. Run in a process of its own: before the fix it died of SIGIO."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    result = subprocess.run([sys.executable, "-c", LEASE_BREAK_SCRIPT, str(cache)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, (f"exit status {result.returncode} (killed by SIGIO: -{int(signal.SIGIO)})\n"
+                                    f"{result.stdout}{result.stderr}")
+    assert "survived" in result.stdout
