@@ -790,7 +790,14 @@ class Drain:
                 def forget(txn: Txn, dir_ino=dir_ino, marker=marker) -> None:
                     remote = txn.get_remote(dir_ino)
                     if remote is not None and remote.key == marker:
-                        txn.delete_remote(dir_ino)  # the directory's pending round puts its new marker
+                        txn.delete_remote(dir_ino)
+                        inode = txn.get_inode(dir_ino)
+                        if inode is not None and inode.nlink > 0:
+                            # Its round puts its marker at its current name. Renamed itself,
+                            # it is queued already; moved with its parent it is not (only the
+                            # parent is, whose round queues the children whose record names an
+                            # old key: with the record gone, it would never be).
+                            durability.mark_moved(txn, dir_ino, self.clock())
 
                 await self._write(forget)
         finally:

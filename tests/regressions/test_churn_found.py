@@ -10,6 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
+import trio  # noqa: E402
+
+from ckptfs.fsmeta import durability  # noqa: E402
 from test_drain_support import denv  # noqa: E402,F401
 
 
@@ -69,6 +72,52 @@ def test_a_settled_directorys_marker_is_kept_by_its_tombstone_of_a_live_name(den
         assert txn.get_pending(ino) is None
     denv.meta.write(lambda txn: (txn.delete_remote(ino), txn.add_tombstone("p/e/")))
     assert classify(denv, "p/e/") == "drop"
+
+
+def test_a_file_taking_the_old_name_of_a_directory_moved_with_its_parent_leaves_it_a_marker(denv):  # noqa: F811
+    """The churn hunt's sixth defect: node A held an empty directory that no other node ever
+    saw; fsmeta had it neither queued nor recorded in the bucket. An empty directory
+    ``a/b`` has its marker ``a/b/``; its parent is renamed (``a`` -> ``x``), which queues the
+    parent, not the directory; a new file then takes the name ``a/b``. Its upload deletes
+    the old marker in the way and dropped the directory's record of it, "its pending round
+    puts its new marker". But only the parent was queued, and the parent's round queues
+    the children whose record names an old key: with no record left, none. ``x/b`` never got
+    a marker. Here the file's upload goes first, as it did under churn."""
+    denv.mkdir("a")
+    denv.mkdir("a/b")
+    denv.drain()
+    assert "a/b/" in denv.listing()
+    denv.rename("a", "x")
+    denv.mkdir("a")
+    denv.write_file("a/b", b"a file where the directory was")
+    moved_parent, new_file = denv.ino("x"), denv.ino("a/b")
+
+    def file_first(drain):
+        file_done = trio.Event()
+        reconcile_dir, reconcile_file = drain._reconcile_dir, drain._reconcile_file
+
+        async def dir_after_the_file(cand):
+            if cand.ino == moved_parent:
+                with trio.move_on_after(5):
+                    await file_done.wait()
+            await reconcile_dir(cand)
+
+        async def file_then_signal(cand):
+            try:
+                await reconcile_file(cand)
+            finally:
+                if cand.ino == new_file:
+                    file_done.set()
+
+        drain._reconcile_dir = dir_after_the_file
+        drain._reconcile_file = file_then_signal
+
+    denv.drain(setup=file_first)
+    listing = denv.listing()
+    assert "a/b" in listing and "a/b/" not in listing
+    assert "x/b/" in listing  # the empty directory shows on other nodes at its new name
+    with denv.meta.read() as txn:
+        assert durability.is_durable(txn, denv.ino("x/b"))
 
 
 LEASE_BREAK_SCRIPT = r"""
