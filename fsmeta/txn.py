@@ -75,16 +75,19 @@ class Txn:
         self._put("meta", b"space_status", json.dumps(status).encode())
 
     def alloc_ino(self) -> int:
-        ino = schema.unpack_u64(self._get("meta", b"next_ino"))
-        self._put("meta", b"next_ino", schema.pack_u64(ino + 1))
-        return ino
+        return self._take_inos(1)
+
+    def _take_inos(self, n: int) -> int:
+        """The next ``n`` inode numbers, never handed out again; returns the first."""
+        first = schema.unpack_u64(self._get("meta", b"next_ino"))
+        self._put("meta", b"next_ino", schema.pack_u64(first + n))
+        return first
 
     def reserve_inos(self, n: int, oldest: int | None = None) -> int:
         """Hand out ``n`` inode numbers at once, for the gateway's spare cache files
         (gateway/spares.py); returns the first. ``spare_inos`` becomes the numbers its spares
         may hold: from ``oldest`` (the lowest one a spare still holds), or else from the first."""
-        first = schema.unpack_u64(self._get("meta", b"next_ino"))
-        self._put("meta", b"next_ino", schema.pack_u64(first + n))
+        first = self._take_inos(n)
         low = first if oldest is None else min(oldest, first)
         self._put("meta", b"spare_inos", schema.pack_u64(low) + schema.pack_u64(first + n))
         return first

@@ -466,7 +466,8 @@ class FsCore:
         spares = self._state.spares
         spare = spares.take() if spares is not None else None  # its file is data/<its ino> already
         try:
-            inode = self._namespace.create_file(parent, name, mode, caller, ino=spare and spare.ino,
+            inode = self._namespace.create_file(parent, name, mode, caller,
+                                                ino=spare.ino if spare is not None else None,
                                                 then=OpenFiles.register_created_writer if writable else None)
         except BaseException:
             if spare is not None:

@@ -334,20 +334,9 @@ class Spares:
                 recycled = self._ready.popleft() if self._ready else None
             if recycled is None:
                 break
-            try:
-                os.rename(recycled, path)  # (replaces a leftover a lost reservation left there)
-            except OSError:
-                _unlink_quietly(recycled)
-                continue
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except OSError:
-                _unlink_quietly(path)
-                continue
-            if opened_by_nobody_else(fd):
+            fd = rename_recycled(recycled, path)
+            if fd >= 0:
                 return fd
-            os.close(fd)
-            _unlink_quietly(path)
         if not self._make_new:
             return None
         for _ in range(2):
@@ -403,6 +392,27 @@ def _lease_breaks_ignored() -> bool:
         return False
     signal.signal(signal.SIGIO, signal.SIG_IGN)
     return True
+
+
+def rename_recycled(recycled: str, path: str) -> int:
+    """Step 3 for one file: the emptied recycled file renamed to ``path`` (which replaces a
+    leftover there, as a new file must) and opened O_RDWR, if no other descriptor has it
+    open; -1 if it cannot be used (it is unlinked then)."""
+    try:
+        os.rename(recycled, path)
+    except OSError:
+        _unlink_quietly(recycled)
+        return -1
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        _unlink_quietly(path)
+        return -1
+    if opened_by_nobody_else(fd):
+        return fd
+    os.close(fd)
+    _unlink_quietly(path)
+    return -1
 
 
 def opened_by_nobody_else(fd: int) -> bool:

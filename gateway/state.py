@@ -6,7 +6,6 @@ One re-entrant lock guards the tables, so a part may call another while holding 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import os
@@ -18,7 +17,7 @@ from ckptfs.fsmeta import Inode, MetaStore, Txn
 from ckptfs.fsmeta.layout import CacheDir
 
 from .errors import FsError
-from .spares import opened_by_nobody_else
+from .spares import rename_recycled
 
 if TYPE_CHECKING:
     from .bucket import BucketClient
@@ -126,8 +125,9 @@ class CoreState:
         fd = -1
         if spare is not None and spare.ino == ino and spare.fd >= 0:
             fd = spare.take_fd()
-        elif spare is not None and spare.path is not None:
-            fd = self._rename_recycled(spare, ino)
+        elif spare is not None and spare.path is not None:  # recycled, not named yet
+            recycled, spare.path = spare.path, None
+            fd = rename_recycled(recycled, self.data_path(ino))
         if fd < 0:
             path = self.data_path(ino)
             flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL
@@ -138,24 +138,6 @@ class CoreState:
                 fd = os.open(path, flags, 0o600)
         with self.lock:
             self.unsynced_cache_names.add(ino)
-        return fd
-
-    def _rename_recycled(self, spare: Spare, ino: int) -> int:
-        """The recycled file ``spare.path`` renamed to the inode's name (which also replaces a
-        leftover there, as a new file must) and opened; -1 if it cannot be used."""
-        recycled, spare.path = spare.path, None
-        path = self.data_path(ino)
-        try:
-            os.rename(recycled, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(recycled)
-            return -1
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        if not opened_by_nobody_else(fd):
-            os.close(fd)
-            os.unlink(path)
-            return -1
         return fd
 
     def sync_cache_names(self, ino: int) -> None:
