@@ -33,6 +33,8 @@ class CacheDir:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", os.path.abspath(self.root))
+        # data_path is called several times per create + close: no os.path.join there.
+        object.__setattr__(self, "_data_prefix", os.path.join(self.root, "data", ""))
 
     @property
     def meta_dir(self) -> str:
@@ -43,7 +45,7 @@ class CacheDir:
         return os.path.join(self.root, "data")
 
     def data_path(self, ino: int) -> str:
-        return os.path.join(self.data_dir, f"{ino:x}")
+        return f"{self._data_prefix}{ino:x}"
 
     @property
     def spare_dir(self) -> str:

@@ -19,10 +19,17 @@ from .records import FileState, Inode, PendingRecord, RemoteRecord, UploadRecord
 
 
 class Txn:
+    # Every removal of a name in this process counts here. A directory's path changes only
+    # when a name of it or of an ancestor is removed (a rename removes, then adds), so a path
+    # read while this held a value is right as long as it holds that value, in the process
+    # that makes every name change (the gateway: gateway/names.py keeps such paths).
+    names_removed = 0
+
     def __init__(self, raw: lmdb.Transaction, dbs: dict, write: bool):
         self.raw = raw
         self.dbs = dbs
         self.writable = write
+        self.removed_names = False  # by this transaction: what it reads may yet be aborted
 
     # -- generic -------------------------------------------------------------------
 
@@ -157,6 +164,8 @@ class Txn:
         if raw is None:
             return None
         ino = schema.unpack_u64(raw)
+        Txn.names_removed += 1
+        self.removed_names = True
         self._delete("dirents", key)
         self._delete("links", schema.link_key(ino, parent, name))
         return ino

@@ -50,13 +50,15 @@ def stat_id(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def refresh(of: OpenFile) -> bool:
-    """Take an open file's size and times from its cache file if it changed since last seen.
+def refresh(of: OpenFile, st: os.stat_result | None = None) -> bool:
+    """Take an open file's size and times from its cache file if it changed since last seen
+    (``st``: the cache file's ``fstat``, if the caller just took it).
 
     Returns True if it did (``of.attrs_dirty`` and ``of.cache_moved`` are then set: the next
     persist needs both, whoever called this). Call with the state lock held.
     """
-    st = os.fstat(of.fd)
+    if st is None:
+        st = os.fstat(of.fd)
     sid = stat_id(st)
     if sid == of.cache_stat:
         return False

@@ -1,12 +1,12 @@
 """The one error type of the filesystem core: an errno, and why."""
 
 import errno
-import os
 
 
 class FsError(Exception):
     def __init__(self, errno_: int, detail: str = ""):
-        super().__init__(errno_, detail or os.strerror(errno_))
+        # (no strerror here: a lookup of a missing name raises one, and nobody reads it)
+        super().__init__(errno_, detail)
         self.errno = errno_
         self.detail = detail
 

@@ -119,7 +119,7 @@ class OpenFiles:
                 remote = None  # the open file holds it now
                 if s.backing is not None and of.remote is None:
                     try:
-                        self._adopt(of, inode, attach=not served_by_gateway)
+                        self._adopt(of, inode, attach=not served_by_gateway, created=created)
                     except BaseException:
                         del s.open_files[inode.ino]
                         os.close(fd)
@@ -153,11 +153,20 @@ class OpenFiles:
         generation the inode is born with needs no bump before its first bytes."""
         txn.add_writer(inode.ino, 1)
 
-    def _adopt(self, of: OpenFile, inode: Inode, *, attach: bool = True) -> None:
+    def _adopt(self, of: OpenFile, inode: Inode, *, attach: bool = True, created: bool = False) -> None:
         """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can
         leave it longer or shorter: bytes past the size were never acknowledged, a missing
         tail reads as zeros) and times (the kernel shows the cache file's after each read or
-        write), and a backing id that every handle of the inode shares."""
+        write), and a backing id that every handle of the inode shares. ``created``: the
+        inode and its (empty) cache file are new, and the file's times are older."""
+        if created:
+            datapath.align(of, inode.atime_ns, inode.mtime_ns)  # (no fstat first: one fewer)
+            if of.cache_stat[0] != inode.size:  # a spare is empty: never seen
+                os.ftruncate(of.fd, inode.size)
+                datapath.align(of, inode.atime_ns, inode.mtime_ns)
+            if attach:
+                self._state.backing.attach(of)
+            return
         st = os.fstat(of.fd)
         if st.st_size != inode.size:
             os.ftruncate(of.fd, inode.size)
@@ -351,13 +360,16 @@ class OpenFiles:
             of.needs_bump = True
             return True
 
-    def _release_backing(self, of: OpenFile) -> None:
-        """Passthrough: the inode's last handle is gone."""
+    def _release_backing(self, of: OpenFile, st: os.stat_result | None) -> None:
+        """Passthrough: the inode's last handle is gone (``st``: its cache file's ``fstat``,
+        taken as the last reference went)."""
         s = self._state
         s.backing.detach(of)
         if of.opened_for_write:
             with s.lock:
-                moved = datapath.refresh(of) or of.attrs_dirty
+                # A store through a shared mapping after ``st`` was taken moves the file
+                # away from the baseline kept here: the watch below finds it.
+                moved = datapath.refresh(of, st) or of.attrs_dirty
             if moved:  # changed with no writable handle open: through a shared mapping
                 self._bump(of)
                 self.persist(of)
@@ -472,11 +484,14 @@ class OpenFiles:
             if writable:
                 of.writers -= 1
             last = of.refs == 0
+            st = None
             if last:
+                if s.space is not None or s.backing is not None:
+                    st = os.fstat(of.fd)  # (one fstat for the space count and the baseline)
                 if s.space is not None:
                     # Before it leaves the table: once out, the evictor may remove it (and its
                     # allocation), which this must not put back.
-                    s.space.note_closed(of.ino, os.fstat(of.fd).st_blocks * 512)
+                    s.space.note_closed(of.ino, st.st_blocks * 512)
                 del s.open_files[of.ino]
                 # Its release stored the size: an open that read the inode before must read it
                 # again, or, finding no open file, it would take that old size for the cache
@@ -484,7 +499,7 @@ class OpenFiles:
                 s.claim_seq += 1
         if last:
             if s.backing is not None:
-                self._release_backing(of)
+                self._release_backing(of, st)
             if of.remote is not None:
                 # The next open takes the native path if the fetch completed: wait for the
                 # cached-clean commit (close(2) does not wait for RELEASE).

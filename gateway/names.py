@@ -51,8 +51,14 @@ def longest_below(txn: Txn, dir_ino: int) -> int:
 class BucketKeys:
     """S3's 1024-byte key limit, counted with the mount's key prefix."""
 
+    PATHS_KEPT = 4096
+
     def __init__(self, key_prefix: str):
         self.key_prefix = key_prefix
+        # Directory paths for check(): walking up from the parent to the root, a read per
+        # level, was a tenth of a create's time. Valid while ``Txn.names_removed`` holds.
+        self._paths: dict[int, bytes] = {}
+        self._paths_at = Txn.names_removed
 
     def key_length(self, rel_path: bytes) -> int:
         return len(self.key_prefix.encode()) + (1 if self.key_prefix else 0) + len(rel_path)
@@ -62,7 +68,7 @@ class BucketKeys:
         """Refuse a name whose bucket key would exceed S3's 1024-byte limit (``base``: the
         parent's ``path_of``, if the caller has it)."""
         if base is None:
-            base = txn.path_of(parent)
+            base = self._dir_path(txn, parent)
         if base is None:
             raise FsError(errno.ENOENT, "parent directory was removed")
         rel = base + b"/" + name if base else name
@@ -73,3 +79,18 @@ class BucketKeys:
                 errno.ENAMETOOLONG,
                 f"bucket key would be {length} bytes, S3 allows {S3_KEY_MAX}",
             )
+
+    def _dir_path(self, txn: Txn, dir_ino: int) -> bytes | None:
+        """``txn.path_of(dir_ino)``, kept while no name is removed. Called from several
+        threads, each holding fsmeta's batch (one writer at a time)."""
+        if self._paths_at != Txn.names_removed:
+            self._paths = {}
+            self._paths_at = Txn.names_removed
+        paths = self._paths
+        path = paths.get(dir_ino)
+        if path is None:
+            path = txn.path_of(dir_ino)
+            # Not what a transaction read after removing names itself: it may be aborted.
+            if path is not None and not txn.removed_names and len(paths) < self.PATHS_KEPT:
+                paths[dir_ino] = path
+        return path

@@ -205,6 +205,25 @@ def test_rename_of_directory_checks_the_longest_key_below_it(prefixed):
     core.rename(t.ino, b"d" * 10, t.ino, b"D" * 239)  # exactly 1024
 
 
+def test_key_length_follows_a_directory_renamed_after_creates_in_it(prefixed):
+    # The check keeps directory paths between creates (gateway/names.py): a rename of an
+    # ancestor, done or refused, must not leave it an old path, longer or shorter.
+    core = prefixed
+    d = ROOT
+    for name in (b"t", b"A" * 250, b"B" * 250, b"C" * 10, b"d"):
+        d = core.mkdir(d, name, 0o755, ROOT_CALLER).ino
+    mkfile(core, d, b"first")  # its path is kept: t/AAA.../BBB.../CCC.../d, 516 bytes
+    core.rename(ROOT, b"t", ROOT, b"T" * 250)  # 249 bytes longer
+    room = 1024 - len(b"ckpt/run-1/") - (516 + 249) - 1  # 247 bytes for a name in d
+    assert err(core.create, d, b"f" * (room + 1), 0o644, os.O_WRONLY, ROOT_CALLER) == errno.ENAMETOOLONG
+    mkfile(core, d, b"f" * room)  # its key: exactly 1024 bytes
+    # Refused: that file's key would be 1025 bytes. The path stays as it was.
+    assert err(core.rename, ROOT, b"T" * 250, ROOT, b"T" * 251) == errno.ENAMETOOLONG
+    mkfile(core, d, b"g" * room)
+    core.rename(ROOT, b"T" * 250, ROOT, b"t")  # and back: a name of 255 bytes fits again
+    mkfile(core, d, b"h" * 255)
+
+
 def test_key_length_without_prefix(core):
     d = [ROOT]
     for c in b"abcd":
