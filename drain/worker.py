@@ -101,6 +101,12 @@ def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = 
     return meta
 
 
+def _removed(txn: Txn, ino: int) -> bool:
+    """The inode is gone from fsmeta, or has no name left."""
+    inode = txn.get_inode(ino)
+    return inode is None or inode.nlink == 0
+
+
 @dataclass
 class FileJob:
     """What a reconcile read from fsmeta, and compares against at commit."""
@@ -463,7 +469,12 @@ class Drain:
             await self._write(durability.mark_error, cand.ino, exc.code)
             self._requeue(cand.ino, Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS))
         except OSError as exc:
-            log.error("reading the cache for %s failed: %s", cand.path, exc)
+            if isinstance(exc, FileNotFoundError) and await self._read(_removed, cand.ino):
+                # Unlinked as its upload started (the gateway removes or recycles the cache
+                # file of a closed, unlinked file): nothing is lost, and nothing to report.
+                log.info("%s was removed as its upload started; not uploaded", cand.path)
+            else:
+                log.error("reading the cache for %s failed: %s", cand.path, exc)
             self._requeue(cand.ino, OSERROR_BACKOFF)
             if isinstance(exc, FileNotFoundError) and self.cache.gateway_pid() is None:
                 await self._reconcile_cache_lengths([cand.ino])

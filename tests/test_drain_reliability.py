@@ -3,6 +3,7 @@ files, cache files whose length disagrees with fsmeta, back-off on requeue, leak
 
 from __future__ import annotations
 
+import logging
 import os
 
 import trio
@@ -193,6 +194,41 @@ def test_a_file_that_keeps_changing_under_its_upload_is_retried_with_back_off(de
     trio.run(run)
     # 0.5 s, 1 s, 2 s ... between attempts (without back-off: one every poll, ~100+)
     assert 1 <= len(attempts) <= 4
+
+
+def test_a_file_unlinked_as_its_upload_starts_is_not_reported_as_an_error(denv, monkeypatch, caplog):
+    # The gateway removes (or recycles) the cache file of a closed file at its unlink: the
+    # drain, about to read it, finds no file. That is no failure to show an operator.
+    from ckptfs.drain import worker
+    ino = denv.write_file("d/f.bin", os.urandom(100_000))
+    real = worker.upload_file
+
+    async def unlinked_first(*a, **kw):
+        denv.unlink("d/f.bin")
+        denv.core.forget([(ino, 1)])  # the kernel's FORGET: the inode and its cache file go
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(worker, "upload_file", unlinked_first)
+    caplog.set_level(logging.INFO, logger="ckptfs.drain")
+    denv.drain()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("d/f.bin was removed as its upload started" in r.getMessage() for r in caplog.records)
+    assert denv.pending() == {} and "d/f.bin" not in denv.listing()
+
+
+def test_a_cache_file_missing_for_a_linked_file_is_still_an_error(denv, monkeypatch, caplog):
+    denv.write_file("g.bin", os.urandom(1000))
+    monkeypatch.setattr(CacheDir, "gateway_pid", lambda self: 1)  # (else it is settled as a crash's)
+    os.unlink(cache_path(denv, "g.bin"))
+    caplog.set_level(logging.INFO, logger="ckptfs.drain")
+
+    async def run():
+        async with denv.store() as inner:
+            await run_for(denv.make_drain(inner), 0.5)
+
+    trio.run(run)
+    assert any(r.levelno == logging.ERROR and "reading the cache for g.bin failed" in r.getMessage()
+               for r in caplog.records)
 
 
 # -- item 10: leaks --------------------------------------------------------------------------
