@@ -72,9 +72,10 @@ def mark_dirty(txn: Txn, inode: Inode, now_ns: int) -> None:
 
 
 def mark_created(txn: Txn, inode: Inode, now_ns: int) -> None:
-    """A new file or symlink (state DIRTY from birth): queue its first upload."""
+    """A new file or symlink (state DIRTY from birth): queue its first upload. (A new inode
+    number has no record yet: no read of one, a read a create would always miss.)"""
     inode.state = FileState.DIRTY
-    _queue(txn, inode.ino, now_ns, DATA)
+    txn.put_pending(inode.ino, PendingRecord(since_ns=now_ns, changed_ns=now_ns, reason=DATA))
 
 
 def mark_written(txn: Txn, ino: int, now_ns: int) -> None:

@@ -402,6 +402,10 @@ class Txn:
             count = 0
         return count
 
+    def set_first_writer(self, ino: int) -> None:
+        """The writer count of a new inode, which has none yet: 1."""
+        self._put("writers", schema.ino_key(ino), schema.pack_u32(1))
+
     def writer_count(self, ino: int) -> int:
         raw = self._get("writers", schema.ino_key(ino))
         return schema.unpack_u32(raw) if raw is not None else 0

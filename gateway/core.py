@@ -236,17 +236,19 @@ class FsCore:
     def _data_path(self, ino: int) -> str:
         return self._state.data_path(ino)
 
-    def _attr(self, inode: Inode) -> Attr:
-        """Attributes as the kernel must see them: an open file's size/times are in memory."""
+    def _attr(self, inode: Inode, *, just_opened: bool = False) -> Attr:
+        """Attributes as the kernel must see them: an open file's size/times are in memory.
+        ``just_opened``: the open file's cache file was just measured, and no handle of it
+        has reached the kernel yet (a create's reply): no ``fstat`` again."""
         with self._state.lock:
-            return self._attr_locked(inode)
+            return self._attr_locked(inode, just_opened=just_opened)
 
-    def _attr_locked(self, inode: Inode) -> Attr:
+    def _attr_locked(self, inode: Inode, *, just_opened: bool = False) -> Attr:
         """:meth:`_attr` with ``CoreState.lock`` held."""
         of = self._open.get(inode.ino)
         size, mtime, ctime = inode.size, inode.mtime_ns, inode.ctime_ns
         if of is not None:
-            if self._state.backing is not None and of.remote is None:
+            if self._state.backing is not None and of.remote is None and not just_opened:
                 datapath.refresh(of)  # writes went straight to the cache file
             size, mtime, ctime = of.size, of.mtime_ns, of.ctime_ns
         if inode.is_symlink:
@@ -492,7 +494,7 @@ class FsCore:
         finally:
             if spare is not None:
                 spare.discard()  # (unless the open file took its descriptor)
-        return fh, self._attr(inode)
+        return fh, self._attr(inode, just_opened=True)
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
         return self._attr(self._namespace.link(ino, new_parent, new_name))

@@ -151,7 +151,7 @@ class OpenFiles:
         count that :meth:`open_handle` adds for other opens. The drain never sees the new
         inode without it, so it does not start the file before it is closed, and the
         generation the inode is born with needs no bump before its first bytes."""
-        txn.add_writer(inode.ino, 1)
+        txn.set_first_writer(inode.ino)
 
     def _adopt(self, of: OpenFile, inode: Inode, *, attach: bool = True, created: bool = False) -> None:
         """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can
