@@ -157,17 +157,19 @@ class OpenFiles:
         """Passthrough: first open of an inode. Its cache file gets fsmeta's size (a crash can
         leave it longer or shorter: bytes past the size were never acknowledged, a missing
         tail reads as zeros) and times (the kernel shows the cache file's after each read or
-        write), and a backing id that every handle of the inode shares. ``created``: the
-        inode and its (empty) cache file are new, and the file's times are older."""
-        if created:
-            datapath.align(of, inode.atime_ns, inode.mtime_ns)  # (no fstat first: one fewer)
-            if of.cache_stat[0] != inode.size:  # a spare is empty: never seen
-                os.ftruncate(of.fd, inode.size)
-                datapath.align(of, inode.atime_ns, inode.mtime_ns)
+        write), and a backing id that every handle of the inode shares.
+
+        ``created``: the inode and its cache file (empty, with older times) are new. Its
+        times are left as they are: what the cache file shows now is only the baseline that
+        its first write moves away from (the size at least changes), and until then the
+        open file's own times, the inode's, are what the gateway answers. One system call
+        fewer per create; a later open of a file never written aligns them then."""
+        st = os.fstat(of.fd)
+        if created and st.st_size == inode.size == 0:
+            of.cache_stat = datapath.stat_id(st)
             if attach:
                 self._state.backing.attach(of)
             return
-        st = os.fstat(of.fd)
         if st.st_size != inode.size:
             os.ftruncate(of.fd, inode.size)
         if st.st_size != inode.size or st.st_mtime_ns != inode.mtime_ns:

@@ -4,6 +4,7 @@ writing the cache file directly, as a passthrough WRITE (or a shared mapping) do
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from conftest import ROOT, ROOT_CALLER, fsmeta_problems
@@ -124,6 +125,38 @@ def test_size_and_mtime_come_from_the_cache_file(pt):
     _kernel_write(core, ino, 5100, b"z")
     core.release(fh)
     assert _inode(core, ino).size == 5101
+    assert fsmeta_problems(core.meta) == []
+
+
+def test_a_created_file_shows_its_creation_time_until_written_whatever_its_cache_file_shows(pt, monkeypatch):
+    # A create leaves its (spare) cache file's older times alone (no utime): the gateway
+    # must still answer the creation time, and the first write's time after it.
+    core, _ = pt
+    old = 1_000_000_000_000_000_000
+    make = core._state.create_cache_file
+
+    def spare_with_old_times(*a, **kw):
+        fd = make(*a, **kw)
+        os.utime(fd, ns=(old, old))
+        return fd
+
+    monkeypatch.setattr(core._state, "create_cache_file", spare_with_old_times)
+    before = time.time_ns()
+    fh, attr = core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    assert attr.mtime_ns >= before - 10**9 and attr.mtime_ns != old
+    assert core.getattr(attr.ino).mtime_ns == attr.mtime_ns
+    core.release(fh)
+    assert _inode(core, attr.ino).mtime_ns == attr.mtime_ns  # the release stored no old time
+    fh = core.open(attr.ino, os.O_RDONLY)  # a later open aligns the cache file
+    assert os.stat(core._data_path(attr.ino)).st_mtime_ns == attr.mtime_ns
+    core.release(fh)
+
+    fh, attr = core.create(ROOT, b"g", 0o644, os.O_WRONLY, ROOT_CALLER)
+    _kernel_write(core, attr.ino, 0, b"x")
+    st = os.stat(core._data_path(attr.ino))
+    assert core.getattr(attr.ino).mtime_ns == st.st_mtime_ns != old and core.getattr(attr.ino).size == 1
+    core.release(fh)
+    assert (_inode(core, attr.ino).size, _inode(core, attr.ino).mtime_ns) == (1, st.st_mtime_ns)
     assert fsmeta_problems(core.meta) == []
 
 
