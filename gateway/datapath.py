@@ -59,6 +59,7 @@ def refresh(of: OpenFile, st: os.stat_result | None = None) -> bool:
     """
     if st is None:
         st = os.fstat(of.fd)
+    of.last_fstat = st
     sid = stat_id(st)
     if sid == of.cache_stat:
         return False

@@ -46,6 +46,7 @@ class OpenFile:
     # passthrough mode (gateway/datapath.py):
     backing_id: int = 0  # shared by every handle of the inode
     cache_stat: tuple | None = None  # the cache file's stat_id when last taken into size/mtime
+    last_fstat: os.stat_result | None = None  # the fstat behind it (a release reuses it)
     # The cache file changed since the last persist (datapath.refresh saw it, maybe in a
     # GETATTR): persist must know even when its own refresh finds nothing new.
     cache_moved: bool = False
@@ -463,6 +464,7 @@ class OpenFiles:
         if h is None:
             raise FsError(errno.EBADF)
         of = h.open_file
+        of.last_fstat = None
         try:
             if h.writable:
                 def drop_writer(txn: Txn) -> None:
@@ -476,19 +478,21 @@ class OpenFiles:
                     if not stored:
                         s.meta.write(drop_writer)
         finally:
-            self._unref(of, h.writable)
+            # Passthrough: the fstat the persist just took serves the last handle's space
+            # count and baseline too (one fstat per close, not two).
+            self._unref(of, h.writable, st=of.last_fstat)
 
-    def _unref(self, of: OpenFile, writable: bool) -> None:
-        """Drop a handle's (or a pin's) reference; the last one closes the open file."""
+    def _unref(self, of: OpenFile, writable: bool, st: os.stat_result | None = None) -> None:
+        """Drop a handle's (or a pin's) reference; the last one closes the open file. ``st``:
+        the cache file's ``fstat``, if the caller took one just now."""
         s = self._state
         with s.lock:
             of.refs -= 1
             if writable:
                 of.writers -= 1
             last = of.refs == 0
-            st = None
             if last:
-                if s.space is not None or s.backing is not None:
+                if st is None and (s.space is not None or s.backing is not None):
                     st = os.fstat(of.fd)  # (one fstat for the space count and the baseline)
                 if s.space is not None:
                     # Before it leaves the table: once out, the evictor may remove it (and its
