@@ -274,13 +274,17 @@ class FsCore:
             with self.meta.read() as txn:
                 need_dir(txn, parent)
             listed_now = self.remote.refresh(parent)
-        with self.meta.read() as txn:
-            ino = self._lookup_ino(txn, parent, name, listed_now)
-            inode = need_inode(txn, ino)
-        with self._state.lock:
-            attr = self._attr_locked(inode)
-            self._lookups.count(ino)
-        return attr
+        while True:
+            seen_claims = self._state.claim_seq
+            with self.meta.read() as txn:
+                ino = self._lookup_ino(txn, parent, name, listed_now)
+                inode = need_inode(txn, ino)
+            with self._state.lock:
+                if not self._fresh(inode, seen_claims):
+                    continue
+                attr = self._attr_locked(inode)
+                self._lookups.count(ino)
+            return attr
 
     def _lookup_ino(self, txn: Txn, parent: int, name: bytes, listed_now: bool) -> int:
         parent_inode = need_dir(txn, parent)
@@ -305,9 +309,21 @@ class FsCore:
         self._lookups.forget(items)
 
     def getattr(self, ino: int) -> Attr:
-        with self.meta.read() as txn:
-            inode = need_inode(txn, ino)
-        return self._attr(inode)
+        while True:
+            seen_claims = self._state.claim_seq
+            with self.meta.read() as txn:
+                inode = need_inode(txn, ino)
+            with self._state.lock:
+                if self._fresh(inode, seen_claims):
+                    return self._attr_locked(inode)
+
+    def _fresh(self, inode: Inode, seen_claims: int) -> bool:
+        """Whether ``inode``, read from fsmeta after ``claim_seq`` was ``seen_claims``, can
+        answer for its attributes (with the state lock held). Not if a last close stored the
+        file's size and times since, and took its open file, whose own were newer, away: the
+        answer would give the size from before the close's writes (a GETATTR racing the
+        RELEASE that a close(2) sends without waiting)."""
+        return inode.ino in self._open or self._state.claim_seq == seen_claims
 
     def setattr(self, ino: int, req: SetattrRequest, fh: int | None = None) -> Attr:
         while True:
@@ -384,6 +400,11 @@ class FsCore:
                 self._files.truncate_data(ino, req.size, of)
             if of is not None:
                 with self._state.lock:
+                    if self._state.backing is not None and of.remote is None:
+                        # Passthrough writes since the file was last looked at: take them in
+                        # first, or the align below makes them its baseline unseen, and the
+                        # reply gives the size before them (an O_APPEND then writes there).
+                        datapath.refresh(of)
                     if req.size is not None:
                         of.size = req.size
                         of.needs_bump = True

@@ -537,3 +537,80 @@ def test_a_setattr_of_a_name_between_its_create_and_open_is_not_lost(core, monke
     assert core.read(fh, 0, 100) == bytes(5)
     core.release(fh)
     assert core.getattr(attr.ino).size == 5
+
+
+class _ReleaseAfterTheRead:
+    """``meta.read()`` that runs ``action`` once, right after the first read it serves: as if
+    another front-end thread handled a RELEASE between a request's fsmeta read and its look
+    at the open files."""
+
+    def __init__(self, meta, action):
+        self._read, self._action = meta.read, action
+
+    def __call__(self):
+        outer = self
+        reading = self._read()
+
+        class _Read:
+            def __enter__(self):
+                return reading.__enter__()
+
+            def __exit__(self, *exc):
+                done = reading.__exit__(*exc)
+                action, outer._action = outer._action, None
+                if action is not None:
+                    action()
+                return done
+
+        return _Read()
+
+
+def _passthrough_file_with_unseen_bytes(tmp_path):
+    """A passthrough core and a file created and written as the kernel writes it (the gateway
+    has not seen the bytes: fsmeta still says size 0): (env, fh, ino)."""
+    env = CoreEnv(tmp_path / "cache")
+    ids = itertools.count(1)
+    env.core.enable_passthrough(lambda fd: next(ids), lambda bid: None)
+    fh, attr = env.core.create(ROOT, b"f", 0o644, os.O_WRONLY, ROOT_CALLER)
+    fd = os.open(env.core._data_path(attr.ino), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"x" * 5000, 0)
+    finally:
+        os.close(fd)
+    return env, fh, attr.ino
+
+
+@pytest.mark.parametrize("request_kind", ["getattr", "lookup"])
+def test_a_stat_racing_the_last_release_never_answers_the_size_from_before_it(tmp_path, monkeypatch,
+                                                                            request_kind):
+    """CI, 2026-11-29 (`test_write_updates_mtime_reads_leave_atime[passthrough]`): a `stat`
+    right after `close(2)` showed the size and mtime from before the file's last writes, for
+    the attribute timeout. close(2) sends RELEASE without waiting; the GETATTR read the inode,
+    the RELEASE then stored the new size and dropped the open file, and the GETATTR, finding
+    no open file, answered the inode it had read. Fixed in `FsCore.getattr`/`lookup`: read
+    again if a last close came in between (``claim_seq``)."""
+    env, fh, ino = _passthrough_file_with_unseen_bytes(tmp_path)
+    try:
+        monkeypatch.setattr(env.meta, "read", _ReleaseAfterTheRead(env.meta, lambda: env.core.release(fh)))
+        attr = env.core.getattr(ino) if request_kind == "getattr" else env.core.lookup(ROOT, b"f")
+        assert attr.size == 5000
+    finally:
+        env.close()
+
+
+def test_a_utimes_of_a_file_open_for_writing_keeps_the_bytes_written_before_it(tmp_path):
+    """Found with the test above: `utime` of a passthrough file whose writes the gateway had
+    not looked at yet set the cache file's times and took the result as the new baseline,
+    so those writes were never seen: the reply gave the size from before them (an O_APPEND
+    write then landed over the old bytes), and the close stored it. Fixed in
+    `FsCore._setattr`: the open file takes the cache file's changes in before the times."""
+    env, fh, ino = _passthrough_file_with_unseen_bytes(tmp_path)
+    try:
+        attr = env.core.setattr(ino, SetattrRequest(atime_ns=10**9, mtime_ns=10**9))
+        assert (attr.size, attr.mtime_ns) == (5000, 10**9)
+        env.core.release(fh)
+        with env.meta.read() as txn:
+            inode = txn.get_inode(ino)
+        assert (inode.size, inode.mtime_ns) == (5000, 10**9)
+    finally:
+        env.close()
