@@ -166,14 +166,9 @@ class OpenFiles:
         open file's own times, the inode's, are what the gateway answers. One system call
         fewer per create; a later open of a file never written aligns them then."""
         st = os.fstat(of.fd)
-        if created and st.st_size == inode.size == 0:
-            of.cache_stat = datapath.stat_id(st)
-            if attach:
-                self._state.backing.attach(of)
-            return
         if st.st_size != inode.size:
             os.ftruncate(of.fd, inode.size)
-        if st.st_size != inode.size or st.st_mtime_ns != inode.mtime_ns:
+        if st.st_size != inode.size or (st.st_mtime_ns != inode.mtime_ns and not created):
             datapath.align(of, inode.atime_ns, inode.mtime_ns)
         else:
             of.cache_stat = datapath.stat_id(st)
