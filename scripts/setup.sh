@@ -20,8 +20,12 @@ if (( ${#missing[@]} )); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The venv is built on Debian's python3: the interpreter the packages above serve (its venv
+# module, its headers), and the one the container image runs. Another python3 first on PATH
+# (pyenv's, say) is usually built without Debian's profile-guided optimisation, which the
+# gateway's request handlers feel (docs/DESIGN.md, "Round 14").
 if [[ ! -x .venv/bin/python ]]; then
-  python3 -m venv .venv
+  if [[ -x /usr/bin/python3 ]]; then /usr/bin/python3 -m venv .venv; else python3 -m venv .venv; fi
 fi
 # libfuse >= 3.17 and the gateway's FUSE front end (native/ckptfs_fuse.c, an extension module).
 scripts/build-fuse.sh .venv >&2
