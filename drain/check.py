@@ -4,7 +4,9 @@ What fsmeta says is durable must be in the bucket with the content hash it recor
 empty directory it holds as settled must show there (its ``dir/`` marker); what it
 tombstoned should be gone (the drain deletes it, so that is only reported); a multipart upload
 that neither an upload record nor a tombstone names will never be completed or aborted by
-anyone (it costs storage until a bucket lifecycle rule expires it).
+anyone (it costs storage until a bucket lifecycle rule expires it). Objects under keys that
+no mount shows (:data:`HIDDEN_OBJECT`) are found by the CLI, which knows the mount's naming
+rules (``ckptfs.gateway.listing.hidden_objects``).
 
 Reads fsmeta in short transactions and never holds one across a store request.
 """
@@ -29,9 +31,11 @@ DIFFERENT_OBJECT = "different-object"  # in the bucket with another blake3 than 
 TOMBSTONED_OBJECT = "tombstoned-object"  # queued for deletion, still there (informational)
 UNRECORDED_UPLOAD = "unrecorded-upload"  # an open multipart upload nobody records
 STRAY_PARKED_OBJECT = "stray-parked-object"  # below MOVING_PREFIX, neither a file's content nor queued for deletion
+HIDDEN_OBJECT = "hidden-object"  # under a key no mount shows (written by another tool; informational)
 
-#: Kinds that need nobody's attention (the drain resolves them on its own).
-INFORMATIONAL = frozenset({TOMBSTONED_OBJECT})
+#: Kinds that are reported only: the drain resolves them on its own (tombstoned), or they are
+#: no fault of the cache and nothing ckptfs does changes them (hidden).
+INFORMATIONAL = frozenset({TOMBSTONED_OBJECT, HIDDEN_OBJECT})
 
 
 @dataclass

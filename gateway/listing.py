@@ -45,7 +45,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -700,3 +700,34 @@ def entries_key(txn: Txn, dir_ino: int, name: bytes, is_dir: bool) -> str:
     return rel + "/" if is_dir else rel
 
 
+
+
+def hidden_objects(keys: Iterable[str]) -> list[tuple[str, str]]:
+    """(key, why) of each object that no mount of the bucket shows, by the rules a listing
+    follows (:meth:`RemoteNames._entries`): a component of its key that is not a name this
+    filesystem takes (``a//b``, a name over 255 bytes, ``.ckptfs-x``), or a file whose name a
+    directory of the same name takes (the keys ``a`` and ``a/b``: the directory wins). Other
+    tools can write such keys; ckptfs never does. Keys relative to the mount's key prefix."""
+    keys = list(keys)
+    dirs = set()
+    for key in keys:
+        cut = key.find("/")
+        while cut != -1:
+            dirs.add(key[:cut + 1])
+            cut = key.find("/", cut + 1)
+    out = []
+    for key in keys:
+        is_marker = key.endswith("/")
+        names = key[:-1].split("/") if is_marker else key.split("/")
+        for name in names:
+            try:
+                check_name(name.encode("utf-8", "surrogateescape"))
+            except FsError as exc:
+                shown = repr(name) if len(name) <= 40 else f"{name[:37]!r}... ({len(name.encode())} bytes)"
+                out.append((key, f"its component {shown} is not a name the mount can show ({exc})"))
+                break
+        else:
+            if not is_marker and key + "/" in dirs:
+                out.append((key, f"a directory {key.rsplit('/', 1)[-1]!r} of the same name hides it "
+                                 f"(keys below {key}/)"))
+    return out

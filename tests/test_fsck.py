@@ -268,3 +268,15 @@ def test_no_cache_there_is_a_usage_error(tmp_path):
     result = subprocess.run([*ckptfs_cmd(), "fsck", str(tmp_path / "nothing")], capture_output=True, text=True,
                             timeout=60, cwd=str(REPO))
     assert result.returncode == 2 and "no ckptfs cache" in result.stderr
+
+
+def test_hidden_objects_follow_the_listing_rules():
+    """The rule ``fsck --bucket`` applies to every key (integration/test_fsck_radosgw.py runs it
+    against a bucket): what a listing of the bucket would not show, and only that."""
+    from ckptfs.gateway.listing import hidden_objects
+
+    keys = ["run/a", "run/a/", "b", "b/c", "ok/", "ok/x", "d//", "e/./f", "g/.ckptfs-tmp", "h/" + "é" * 200]
+    found = dict(hidden_objects(keys))
+    assert sorted(found) == ["b", "d//", "e/./f", "g/.ckptfs-tmp", "h/" + "é" * 200, "run/a"]
+    assert "same name" in found["run/a"] and "same name" in found["b"]  # a marker makes a directory too
+    assert "400 bytes" in found["h/" + "é" * 200]  # NAME_MAX counts bytes, not characters

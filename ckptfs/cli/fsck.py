@@ -30,6 +30,8 @@ from ckptfs.drain.factory import open_store_for
 from ckptfs.fsmeta import check
 from ckptfs.fsmeta.layout import CacheDir, NoCacheHere
 from ckptfs.fsmeta.settings import Settings
+from ckptfs.gateway.listing import hidden_objects
+from ckptfs.lifecycle.pins import is_reserved_key
 
 
 def run_fsck(cache_dir: str, *, bucket: bool = False, repair: bool = False) -> tuple[list[check.Finding], str | None]:
@@ -54,6 +56,7 @@ def run_fsck(cache_dir: str, *, bucket: bool = False, repair: bool = False) -> t
             async def compare() -> list[check.Finding]:
                 async with open_store_for(settings) as store:
                     found = await bucket_check.bucket_findings(cache, meta, store)
+                    found += await _hidden_object_findings(store)
                     if repair:
                         for finding in found:
                             if finding.repairable:
@@ -66,6 +69,15 @@ def run_fsck(cache_dir: str, *, bucket: bool = False, repair: bool = False) -> t
         return findings, bucket_url
     finally:
         meta.close()
+
+
+async def _hidden_object_findings(store) -> list[check.Finding]:
+    """Objects the bucket holds under a key that no mount shows (informational: a checkpoint
+    another tool wrote there is invisible through the mount, which should be said somewhere)."""
+    keys = []
+    async for page in store.list_pages(""):
+        keys.extend(obj.key for obj in page.objects if not is_reserved_key(obj.key))
+    return [check.Finding(bucket_check.HIDDEN_OBJECT, why, key=key) for key, why in hidden_objects(keys)]
 
 
 def is_problem(finding: check.Finding) -> bool:
