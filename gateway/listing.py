@@ -700,8 +700,6 @@ def entries_key(txn: Txn, dir_ino: int, name: bytes, is_dir: bool) -> str:
     return rel + "/" if is_dir else rel
 
 
-
-
 def hidden_objects(keys: Iterable[str]) -> list[tuple[str, str]]:
     """(key, why) of each object that no mount of the bucket shows, by the rules a listing
     follows (:meth:`RemoteNames._entries`): a component of its key that is not a name this
@@ -720,10 +718,11 @@ def hidden_objects(keys: Iterable[str]) -> list[tuple[str, str]]:
         is_marker = key.endswith("/")
         names = key[:-1].split("/") if is_marker else key.split("/")
         for name in names:
+            raw = name.encode("utf-8", "surrogateescape")
             try:
-                check_name(name.encode("utf-8", "surrogateescape"))
+                check_name(raw)
             except FsError as exc:
-                shown = repr(name) if len(name) <= 40 else f"{name[:37]!r}... ({len(name.encode())} bytes)"
+                shown = repr(name) if len(name) <= 40 else f"{name[:37]!r}... ({len(raw)} bytes)"
                 out.append((key, f"its component {shown} is not a name the mount can show ({exc})"))
                 break
         else:
