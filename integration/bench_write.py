@@ -30,6 +30,10 @@ Workloads (each timed from ``open`` to the end of ``fsync`` + ``close`` [+ ``ren
   ``--meta-cached-files N`` first leaves N files of 1 KiB in each mount's cache, as a
   long run does, and prints the gateway's and the drain's CPU while idle before and
   after: their background work must not grow with the files the cache holds.
+  ``--fuse-references`` adds two of libfuse's example file systems, written in C, to the
+  same alternation: ``passthrough_hp`` (a directory on the same disk, FUSE passthrough) and
+  ``memfs_ll`` (in memory: the FUSE transport alone). What they reach is what a FUSE daemon
+  can reach on the machine at hand (built by ``scripts/build-fuse-references.sh``).
 
 Runs alternate (plain, passthrough, writeback, plain, ...) for ``--rounds`` rounds so
 a noisy virtual disk hits every side alike; the report gives medians, the spread
@@ -54,7 +58,7 @@ Usage::
 
     .venv/bin/python -m integration.bench_write [--size-gib 4] [--ckpt-gib 1] [--rounds 5]
         [--mounts passthrough,writeback] [--rss-sizes 1,8] [--drop-caches] [--torch]
-        [--workdir /var/tmp]
+        [--workdir /var/tmp] [--fuse-references]
 """
 
 from __future__ import annotations
@@ -321,23 +325,28 @@ def idle_cpu(mount: Mount, seconds: float = 10.0) -> tuple[float, float]:
     return (_cpu_seconds([mount.pid]) - gateway0) / seconds, (_cpu_seconds(drain_pids) - drain0) / seconds
 
 
-def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int, cached_files: int = 0) -> dict:
+def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int, cached_files: int = 0,
+                        references_dir: str | None = None) -> dict:
     """The ``meta`` section: plain directory and each data path, alternating, drain live.
 
     Besides operations per second (which depend on the machine's load), it gives for each
     mount and phase the FUSE requests per operation and the gateway's CPU microseconds per
     operation (medians over the rounds), which do not. ``cached_files``: first leave that many
     files of 1 KiB in each mount (drained), and print the gateway's and the drain's CPU while
-    idle, before and with them.
+    idle, before and with them. ``references_dir``: also libfuse's example file systems from
+    that directory (:class:`ReferenceMount`), alternating with the others.
     """
     plain = os.path.join(workdir, "meta-plain")
     os.makedirs(plain, exist_ok=True)
     mounts = {m: Mount(os.path.join(workdir, f"meta-{m}"), settle_seconds=None, extra_args=mount_args(m))
               for m in modes}
-    sides = ["plain", *modes]
+    references = {f"libfuse-{program}": ReferenceMount(os.path.join(workdir, f"meta-libfuse-{program}"),
+                                                        program, references_dir)
+                  for program in (REFERENCE_PROGRAMS if references_dir else ())}
+    sides = ["plain", *modes, *references]
     results: dict[str, dict[str, list[float]]] = {side: {p: [] for p in META_PHASES} for side in sides}
-    # per mount and phase, one entry per round: requests/op, gateway CPU us/op, requests by op
-    cost: dict[str, dict[str, list]] = {m: {p: [] for p in META_PHASES} for m in modes}
+    # per mount and phase, one entry per round: requests/op, daemon CPU us/op, requests by op
+    cost: dict[str, dict[str, list]] = {m: {p: [] for p in META_PHASES} for m in (*modes, *references)}
     # per mount, one entry per round, from the round's start until the drain is idle again:
     # the drain's CPU us per file (its create, rename and unlink together), its CPU us per
     # bucket request, and its bucket requests (the drain's work depends on timing: a file
@@ -346,6 +355,8 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
     try:
         for m in modes:
             mounts[m].start()
+        for daemon in references.values():
+            daemon.start()
         idle = {}
         if cached_files:
             for m in modes:
@@ -363,12 +374,17 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
         for rnd in range(rounds):
             for side in sides:
                 os.sync()
-                probe = gateway_probe(mounts[side]) if side != "plain" else None
-                if probe is not None:
+                if side in references:
+                    probe = daemon_probe(references[side])
+                    directory = references[side].mnt
+                else:
+                    probe = gateway_probe(mounts[side]) if side != "plain" else None
+                    directory = plain if side == "plain" else mounts[side].mnt
+                if side in mounts:
                     drain_start = drain_cpu_until_idle(mounts[side])
                     requests_start = drain_requests(mounts[side])
-                rates = namespace_ops(plain if side == "plain" else mounts[side].mnt, files, probe=probe)
-                if probe is not None:
+                rates = namespace_ops(directory, files, probe=probe)
+                if side in mounts:
                     drain_cpu = drain_cpu_until_idle(mounts[side]) - drain_start
                     time.sleep(1.5)  # the drain publishes its request counts once a second
                     requests = drain_requests(mounts[side]) - requests_start
@@ -381,15 +397,17 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
                 f"{side} " + "/".join(f"{results[side][p][-1]:.0f}" for p in META_PHASES) for side in sides),
                 flush=True)
         print(f"  load average at end: {_loadavg()}")
-        print(f"{'side':<18} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
+        width = max(18, *(len(side) + 1 for side in sides))
+        print(f"{'side':<{width}} " + " ".join(f"{p + ' ops/s med (min..max)':>30}" for p in META_PHASES))
         for side in sides:
-            print(f"{side:<18} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
+            print(f"{side:<{width}} " + " ".join(f"{_spread(results[side][p]):>30}" for p in META_PHASES))
         print("load-independent figures (medians over the rounds): FUSE requests per operation,"
-              " gateway CPU us per operation")
-        print(f"{'side':<18} " + " ".join(f"{p + ' req/op  CPU us/op':>30}" for p in META_PHASES))
-        for m in modes:
-            print(f"{m:<18} " + " ".join(
-                f"{statistics.median(c[0] for c in cost[m][p]):>19.2f} {statistics.median(c[1] for c in cost[m][p]):>10.0f}"
+              " the daemon's CPU us per operation (the gateway's; libfuse's examples count no requests)")
+        print(f"{'side':<{width}} " + " ".join(f"{p + ' req/op  CPU us/op':>30}" for p in META_PHASES))
+        for m in (*modes, *references):
+            print(f"{m:<{width}} " + " ".join(
+                (f"{statistics.median(c[0] for c in cost[m][p]):>19.2f}" if m in mounts else f"{'-':>19}")
+                + f" {statistics.median(c[1] for c in cost[m][p]):>10.0f}"
                 for p in META_PHASES))
         for m in modes:
             print(f"  {m} drain CPU (until idle) by round: us per file (its create + rename + unlink) / bucket "
@@ -403,13 +421,16 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
                 by_op = cost[m][p][-1][2]
                 print(f"  {m} {p}, last round, gateway CPU system us/op {cost[m][p][-1][3]:.0f}, requests by op: "
                       + ", ".join(f"{op} {n:.0f}" for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])))
+        for side in references:
+            print(f"  {side}, last round, CPU system us/op: "
+                  + ", ".join(f"{p} {cost[side][p][-1][3]:.0f}" for p in META_PHASES))
     finally:
-        for m in mounts.values():
+        for m in (*mounts.values(), *references.values()):
             m.stop()
     return {"idle_cpu": idle, "ops_per_s": results, "cost": {m: {p: [{"requests_per_op": c[0], "gateway_cpu_us_per_op": c[1],
                                                    "requests": c[2], "gateway_system_cpu_us_per_op": c[3],
                                                    "drain_cpu_us_per_op_in_phase": c[4]} for c in cost[m][p]]
-                                             for p in META_PHASES} for m in modes},
+                                             for p in META_PHASES} for m in cost},
             "drain_cpu_us_per_file": drain_cost}
 
 
@@ -487,7 +508,48 @@ def mount_args(spec: str) -> list[str]:
     return ["--data-path", data_path, "--fuse-io-uring", "on" if transport else "off"]
 
 
-class Mount:
+class _MountedDaemon:
+    """A FUSE daemon run in the foreground in a session of its own, mounted at ``self.mnt``."""
+
+    mnt: str
+    log_path: str
+    stop_timeout = 60.0
+    proc: subprocess.Popen | None = None
+
+    def _spawn(self, args: list[str], what: str, timeout: float, **popen) -> None:
+        """Start ``args`` with its output in ``self.log_path``; return once mounted."""
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                                     start_new_session=True, **popen)
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(self.mnt):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not come up in {timeout}s; see {self.log_path}")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        try:
+            self.proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
+        self._log.close()
+        self.proc = None
+
+
+class Mount(_MountedDaemon):
     """A ``ckptfs mount --foreground`` of a file:// bucket with its own cache directory."""
 
     def __init__(self, workdir: str, *, settle_seconds: float | None, extra_args: list[str] | None = None):
@@ -498,7 +560,6 @@ class Mount:
         self.log_path = os.path.join(workdir, "gateway.log")
         self.settle_seconds = settle_seconds
         self.extra_args = extra_args or []
-        self.proc: subprocess.Popen | None = None
         self.metrics_port = _free_port()
 
     def start(self, timeout: float = 60.0) -> None:
@@ -515,21 +576,7 @@ class Mount:
                 fh.write(f"[drain]\nsettle_seconds = {self.settle_seconds}\n")
             args += ["--config", cfg]
         args += self.extra_args
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=self._log, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while not os.path.ismount(self.mnt):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the mount exited with {self.proc.returncode}; see {self.log_path}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the mount did not come up in {timeout}s; see {self.log_path}")
-            time.sleep(0.05)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        self._spawn(args, "the mount", timeout, cwd=REPO)
 
     def processes(self) -> dict[str, int]:
         """{'gateway': pid, 'drain': pid} (the drain only if running)."""
@@ -550,19 +597,54 @@ class Mount:
                 out["drain"] = int(entry)
         return out
 
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        subprocess.run(["fusermount3", "-u", self.mnt], check=False, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
-        self._log.close()
-        self.proc = None
+
+REFERENCE_PROGRAMS = ("passthrough_hp", "memfs_ll")
+
+
+def fuse_references_dir() -> str:
+    """The directory of libfuse's example file systems, built first if missing
+    (scripts/build-fuse-references.sh, about 25 s)."""
+    out = subprocess.run([os.path.join(REPO, "scripts", "build-fuse-references.sh"),
+                          os.path.join(REPO, ".venv")], check=True, stdout=subprocess.PIPE, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+class ReferenceMount(_MountedDaemon):
+    """One of libfuse's example file systems, mounted beside the gateway in the ``meta``
+    section (``--fuse-references``): what a FUSE daemon written in C makes of the same
+    workload on the same machine.
+
+    * ``libfuse-passthrough_hp`` mirrors a directory on the plain directory's file system,
+      with FUSE passthrough for reads and writes (as the gateway's passthrough data path)
+      and its default caching: names and attributes kept by the kernel for a day;
+    * ``libfuse-memfs_ll`` keeps everything in its memory: the FUSE transport alone.
+    """
+
+    def __init__(self, workdir: str, program: str, programs_dir: str):
+        self.workdir = workdir
+        self.program = program
+        self.mnt = os.path.join(workdir, "mnt")
+        self.source = os.path.join(workdir, "source")
+        self.log_path = os.path.join(workdir, "daemon.log")
+        self.binary = os.path.join(programs_dir, program)
+        self.stop_timeout = 30.0
+
+    def start(self, timeout: float = 30.0) -> None:
+        os.makedirs(self.mnt, exist_ok=True)
+        if self.program == "passthrough_hp":
+            os.makedirs(self.source, exist_ok=True)
+            args = [self.binary, "--foreground", self.source, self.mnt]
+        else:
+            args = [self.binary, "-f", self.mnt]
+        self._spawn(args, self.program, timeout)
+
+
+def daemon_probe(daemon: ReferenceMount):
+    """A probe for :func:`namespace_ops`: the reference daemon's CPU seconds (no requests by
+    op: libfuse's examples export none)."""
+    def probe() -> dict[str, float]:
+        return {"cpu": _cpu_seconds([daemon.pid]), "cpu_sys": _cpu_seconds([daemon.pid], system_only=True)}
+    return probe
 
 
 def _cpu_seconds(pids, *, system_only: bool = False) -> float:
@@ -674,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch", action="store_true", help="also run the real torch.save workload if importable")
     ap.add_argument("--drop-caches", action="store_true", help="sync + drop the page cache before every run")
     ap.add_argument("--drain-live", action="store_true", help="keep the default drain settle window")
+    ap.add_argument("--fuse-references", action="store_true",
+                    help="meta: also libfuse's passthrough_hp and memfs_ll (C), built by"
+                         " scripts/build-fuse-references.sh if missing")
     ap.add_argument("--workdir", default="/var/tmp", help="parent of the bench directory (default /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the bench directory afterwards")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
@@ -713,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     meta_results = None
     try:
         if run_meta:
-            meta_results = run_namespace_bench(workdir, modes, args.meta_files, args.rounds, args.meta_cached_files)
+            meta_results = run_namespace_bench(workdir, modes, args.meta_files, args.rounds, args.meta_cached_files,
+                                               fuse_references_dir() if args.fuse_references else None)
             print()
         if not workloads and not args.rss_sizes:
             if args.json:

@@ -17,14 +17,13 @@ VENV=$(realpath -m "${1:-.venv}")
 PY=$VENV/bin/python
 SRC=$ROOT/native/ckptfs_fuse.c
 FUSE_MIN=3.17
-FUSE_SUITE=trixie              # Debian release whose fuse3 source package has libfuse >= 3.17
 PREFIX=$VENV/opt/fuse3
 WORK=$VENV/opt/build-fuse      # scratch (removed after success): sources, build trees, meson+ninja
 LOG=$VENV/build-fuse.log
 
 [[ -x $PY ]] || { echo "build-fuse: no venv at $VENV (run scripts/setup.sh)" >&2; exit 1; }
 SECONDS=0
-key=$( { cat "$SRC" "$0"; echo "$FUSE_SUITE"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+key=$( { cat "$SRC" "$0" scripts/fuse-source.sh; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 stamp=$VENV/.ckptfs-native-$key
 
 front_end_ok() {
@@ -38,6 +37,8 @@ fi
 : >"$LOG"
 fail() { echo "build-fuse: $* (log: $LOG)" >&2; tail -n 30 "$LOG" >&2; exit 1; }
 run() { echo "+ [${SECONDS}s] $*" >>"$LOG"; "$@" >>"$LOG" 2>&1 || fail "failed: $*"; }
+# shellcheck source=scripts/fuse-source.sh
+source scripts/fuse-source.sh
 mkdir -p "$WORK"
 
 # -- libfuse ---------------------------------------------------------------------------------
@@ -48,32 +49,9 @@ if pkg-config --atleast-version="$FUSE_MIN" fuse3 2>/dev/null; then
 else
   if [[ ! -f $PREFIX/.built ]] || ! PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig \
        pkg-config --atleast-version="$FUSE_MIN" fuse3 2>/dev/null; then
-    # Build tools from PyPI in their own small venv (not in the project's venv).
     BT=$WORK/tools
-    [[ -x $BT/bin/meson && -x $BT/bin/ninja ]] || {
-      run "$PY" -m venv --clear --without-pip "$BT"
-      run "$PY" -m pip --python "$BT/bin/python" install -q meson ninja
-    }
-    # Private apt state: our own sources.list, lists and cache dirs. The system's apt.conf.d
-    # (proxy settings, etc.) still applies; the mirror is the one the system uses for Debian.
-    mirror=${DEBIAN_MIRROR:-$( { cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } \
-               | grep -oE '^(URIs:|deb(-src)?( \[[^]]*\])?) +https?://[^ ]+/debian/?( |$)' \
-               | grep -oE 'https?://[^ ]+' | head -n1 || true)}
-    mirror=${mirror:-http://deb.debian.org/debian}
-    A=$WORK/apt; rm -rf "$A"; mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/src"
-    echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] ${mirror%/} $FUSE_SUITE main" \
-      >"$A/sources.list"
-    aopt=(-o "Dir::Etc::sourcelist=$A/sources.list" -o Dir::Etc::sourceparts=- \
-          -o "Dir::State::Lists=$A/lists" -o "Dir::Cache=$A/cache" -o APT::Sandbox::User=root \
-          -o Debug::NoLocking=1 -q)
-    run apt-get "${aopt[@]}" update
-    echo "+ [${SECONDS}s] apt-get source --download-only fuse3" >>"$LOG"
-    (cd "$A/src" && apt-get "${aopt[@]}" source --download-only fuse3) >>"$LOG" 2>&1 \
-      || fail "apt-get source fuse3 ($FUSE_SUITE) failed"
-    dsc=$(ls "$A"/src/fuse3_*.dsc | head -n1)
-    run rm -rf "$WORK/fuse3"
-    run dpkg-source -x "$dsc" "$WORK/fuse3"     # also applies Debian's patches
-    run rm -rf "$A"
+    fuse_build_tools "$PY" "$BT"
+    fuse_fetch_source "$WORK/fuse3" "$WORK"
     run rm -rf "$WORK/fuse3-build" "$PREFIX"
     # Only the library: no helpers (fusermount3 stays the system's setuid one), no udev rules,
     # no init script, no examples, no tests.
