@@ -374,12 +374,12 @@ def run_namespace_bench(workdir: str, modes: list[str], files: int, rounds: int,
         for rnd in range(rounds):
             for side in sides:
                 os.sync()
-                if side in references:
-                    probe = daemon_probe(references[side])
-                    directory = references[side].mnt
+                if side == "plain":
+                    directory, probe = plain, None
+                elif side in references:
+                    directory, probe = references[side].mnt, daemon_probe(references[side])
                 else:
-                    probe = gateway_probe(mounts[side]) if side != "plain" else None
-                    directory = plain if side == "plain" else mounts[side].mnt
+                    directory, probe = mounts[side].mnt, gateway_probe(mounts[side])
                 if side in mounts:
                     drain_start = drain_cpu_until_idle(mounts[side])
                     requests_start = drain_requests(mounts[side])
