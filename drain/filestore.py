@@ -8,7 +8,8 @@ Layout under the root directory ``D``:
   "prefix" and is not listed as an object, like in S3)
 * metadata record (JSON: user metadata, etag, storage class, content type,
   tags, checksum, marker flag) in a sidecar file ``D/a/b/.ckptfs-m.c`` (and
-  ``D/a/b/.ckptfs-m`` for the marker of ``a/b/``), recording the inode number
+  ``D/a/b/.ckptfs-m`` for the marker of ``a/b/``; for a name too long to take the
+  prefix within NAME_MAX, ``D/a/b/.ckptfs-m#<sha256 of the name>``), recording the inode number
   of the data file it describes.  It is written after the data rename; a
   crash in between leaves the *new* object with no metadata (the record's
   inode does not match), never with wrong metadata, and the put had not
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -82,6 +84,7 @@ __all__ = ["FileStore"]
 RESERVED = ".ckptfs-"
 MULTIPART_DIR = ".ckptfs-multipart"
 SIDECAR_PREFIX = ".ckptfs-m"
+SIDECAR_NAME_MAX = 255  # NAME_MAX of the filesystems a file:// bucket lives on
 MOVING_DIR = MOVING_PREFIX.rstrip("/")  # the one reserved directory that holds objects (the drain's)
 COPY_CHUNK = 4 << 20
 
@@ -195,7 +198,11 @@ class FileStore(ObjectStore):
         if is_dir:
             return os.path.join(path, SIDECAR_PREFIX)
         d, n = os.path.split(path)
-        return os.path.join(d, f"{SIDECAR_PREFIX}.{n}")
+        side = f"{SIDECAR_PREFIX}.{n}"
+        if len(os.fsencode(side)) > SIDECAR_NAME_MAX:
+            # A name near NAME_MAX has no room for the prefix: its sidecar is named by a hash.
+            side = f"{SIDECAR_PREFIX}#{hashlib.sha256(os.fsencode(n)).hexdigest()}"
+        return os.path.join(d, side)
 
     def _read_rec(self, path: str, st: os.stat_result) -> dict | None:
         """The sidecar record of ``path``, or None if there is none or it

@@ -36,6 +36,7 @@ from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 from ckptfs.fsmeta.txn import Txn
 
 from . import schedule
+from .isolation import KeyQuarantine, unexpected_code
 from .localio import SourceChangedError
 from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
 from .store import (
@@ -83,6 +84,7 @@ STALE_SWEEP_SECONDS = 3600.0  # how often a long-running drain aborts stale mult
 CHANGED_BACKOFF = Backoff(0.5, 30.0)
 OSERROR_BACKOFF = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS)
 WAIT_SOURCE_BACKOFF = Backoff(WAIT_SOURCE_SECONDS, 5.0)
+DELETE_ERROR_PREFIX = "delete "  # an error of a tombstone's delete in the status, by key
 
 
 def object_metadata(mode: int, uid: int, gid: int, mtime_ns: int, blake3: str = "", rdev: int = 0) -> dict[str, str]:
@@ -150,6 +152,7 @@ class DrainStats:
     in_flight: dict = field(default_factory=dict)  # ino -> {path, size, done}
     retrying: dict = field(default_factory=dict)  # what -> message
     errors: dict = field(default_factory=dict)  # path -> permanent error
+    unexpected_errors: int = 0  # unforeseen exceptions caught around one item (drain/isolation.py)
     durable_latency: list = field(default_factory=list)  # recent pending->durable seconds
     # for Prometheus (ckptfs.drain.metrics reads them back from fsmeta)
     retries_by_code: collections.Counter = field(default_factory=collections.Counter)
@@ -195,6 +198,8 @@ class Drain:
         self.held: list[str] = []  # markers left waiting for lost files when until_empty ended
         self.next_stale_sweep = time.monotonic() + STALE_SWEEP_SECONDS
         self.tombstones_running = False
+        self.tombstone_quarantine = KeyQuarantine(Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS))
+        self.unreadable: dict[str, str] = {}  # "<inode N>" or a tombstone's key -> code: the scan could not read it
         self.stats = DrainStats()
         self.store = TimedStore(store, self.stats.observe_request)
         self.idle_since: float | None = None
@@ -254,40 +259,87 @@ class Drain:
             base = dir_paths[parent]
             return None if base is None else (base + b"/" + name if base else name)
 
-        for ino, rec in txn.iter_pending():
-            inode = txn.get_inode(ino)
-            if inode is None:
+        unreadable: dict[str, str] = {}
+        note = functools.partial(self._note_unreadable, unreadable)
+
+        def skip_inode(ino: int, exc: Exception) -> None:  # one inode's record: the others still drain
+            cand = self._unreadable_candidate(txn, ino)
+            note(cand.path if cand is not None else f"<inode {ino}>", exc)
+            if cand is not None:
+                candidates.append(cand)
+
+        for ino, rec in txn.iter_pending(on_unreadable=skip_inode):
+            try:
+                cand = self._scan_one(txn, ino, rec, path_of, gateway_alive, lost, stale_markers)
+            except Exception as exc:
+                skip_inode(ino, exc)
                 continue
-            remote = txn.get_remote(ino)
-            if remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers):
-                names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
-                if remote.key not in names:
-                    stale_markers[remote.key] = names
-            path = path_of(ino)
-            if path is None:
+            if cand is not None:
+                candidates.append(cand)
+        tombstones = []
+        for key, rec in txn.iter_tombstones(on_unreadable=note):
+            try:
+                if (durability.awaits_its_writer(txn, key, rec) or durability.held_for_new_names(txn, rec)
+                        or schedule.below_marker(key, list(stale_markers), self.markers)):
+                    continue
+            except Exception as exc:
+                note(key, exc)
                 continue
-            is_lost = durability.is_cache_lost(txn, ino)
-            if is_lost:
-                # Nothing to upload until it is written again (or removed).
-                lost[path.decode("utf-8", "surrogateescape")] = txn.get_error(ino)
-            writers = txn.writer_count(ino) if gateway_alive else 0
-            first = path.decode("utf-8", "surrogateescape")
-            others: tuple[str, ...] = ()
-            if inode.nlink > 1 and not inode.is_dir:
-                # Every name of a hard-linked shard holds back the markers above it.
-                others = tuple(sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)} - {first}))
-            candidates.append(schedule.Candidate(
-                ino, first, rec.since_ns, rec.changed_ns,
-                inode.is_dir, writers, rec.urgent, is_lost, others,
-            ))
-        tombstones = [(key, rec) for key, rec in txn.iter_tombstones()
-                      if not durability.awaits_its_writer(txn, key, rec)
-                      and not durability.held_for_new_names(txn, rec)
-                      and not schedule.below_marker(key, list(stale_markers), self.markers)]
+            tombstones.append((key, rec))
+        self.unreadable = unreadable
         # Markers still in the bucket that are leaving: moving, or queued for deletion.
         leaving_markers = stale_markers | {
             key: [] for key, _ in tombstones if not key.endswith("/") and schedule.is_marker(key, self.markers)}
         return candidates, tombstones, lost, leaving_markers
+
+    @staticmethod
+    def _unreadable_candidate(txn: Txn, ino: int) -> schedule.Candidate | None:
+        """A pending inode the scan could not read, where its names can still be found: it never
+        starts, but holds back the markers above it, as a file whose cache lost data does."""
+        try:
+            paths = sorted(p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino))
+        except Exception:
+            return None
+        if not paths:
+            return None
+        return schedule.Candidate(ino, paths[0], 0, 0, False, 0, False, lost=True, other_paths=tuple(paths[1:]))
+
+    def _note_unreadable(self, unreadable: dict[str, str], what: str, exc: Exception) -> None:
+        code = unexpected_code(exc)
+        if what not in self.unreadable:  # once per item, not at every scan
+            log.error("the drain cannot read the record of %s (%s); it is skipped, other files drain",
+                      what, code, exc_info=exc)
+            self.stats.errors_by_code[code] += 1
+            self.stats.unexpected_errors += 1
+        unreadable[what] = code
+
+    def _scan_one(self, txn: Txn, ino: int, rec, path_of, gateway_alive: bool, lost: dict,
+                  stale_markers: dict) -> schedule.Candidate | None:
+        inode = txn.get_inode(ino)
+        if inode is None:
+            return None
+        remote = txn.get_remote(ino)
+        if remote is not None and inode.nlink > 0 and schedule.is_marker(remote.key, self.markers):
+            names = [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]
+            if remote.key not in names:
+                stale_markers[remote.key] = names
+        path = path_of(ino)
+        if path is None:
+            return None
+        is_lost = durability.is_cache_lost(txn, ino)
+        if is_lost:
+            # Nothing to upload until it is written again (or removed).
+            lost[path.decode("utf-8", "surrogateescape")] = txn.get_error(ino)
+        writers = txn.writer_count(ino) if gateway_alive else 0
+        first = path.decode("utf-8", "surrogateescape")
+        others: tuple[str, ...] = ()
+        if inode.nlink > 1 and not inode.is_dir:
+            # Every name of a hard-linked shard holds back the markers above it.
+            others = tuple(sorted({p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)} - {first}))
+        return schedule.Candidate(
+            ino, first, rec.since_ns, rec.changed_ns,
+            inode.is_dir, writers, rec.urgent, is_lost, others,
+        )
 
     # -- main loop -------------------------------------------------------------------
 
@@ -306,38 +358,45 @@ class Drain:
                     ready = self._start_ready(nursery, ready)
                     await self._poll_wait(bool(ready))
                     continue
-                (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
-                    await self._read(self._timed_scan)
-                self._prune_errors(candidates)
-                if (self.until_empty and not tombstones and not self.busy
-                        and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
-                                for c in candidates)):
-                    # Empty, but for files that lost their cache data (self.lost) and the
-                    # markers that wait for them.
-                    self.held = [c.path for c in candidates if not c.lost]
-                    break
-                if time.monotonic() >= self.next_stale_sweep:
-                    self.next_stale_sweep = time.monotonic() + STALE_SWEEP_SECONDS
-                    nursery.start_soon(self._sweep_stale_uploads)
-                if not candidates and not self.busy:
-                    self._release_buffers_when_idle()
-                else:
-                    self.idle_since = None
-                now = self.clock()
-                cpu_before = time.thread_time()
-                eligible = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
-                                             markers=self.markers, busy=self.busy)
-                scan_cpu += time.thread_time() - cpu_before
-                next_scan = time.monotonic() + self._scan_interval(scan_cpu)
-                # What waits for a slot may start before the next scan, except directories
-                # and markers: their turn depends on other pending inodes, judged at a scan.
-                ready = [c for c in self._start_ready(nursery, eligible)
-                         if not c.is_dir and not any(schedule.is_marker(p, self.markers) for p in c.paths)]
-                if tombstones and not self.tombstones_running:
-                    self.tombstones_running = True
-                    nursery.start_soon(self._tombstone_task, tombstones)
-                if self.prehashing is None and self.settle_ns > 0:
-                    self._start_prehash(nursery, candidates, eligible, now)
+                try:
+                    (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
+                        await self._read(self._timed_scan)
+                    self._prune_errors(candidates, tombstones)
+                    if (self.until_empty and not tombstones and not self.busy
+                            and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
+                                    for c in candidates)):
+                        # Empty, but for files that lost their cache data (self.lost) and the
+                        # markers that wait for them.
+                        self.held = [c.path for c in candidates if not c.lost]
+                        break
+                    if time.monotonic() >= self.next_stale_sweep:
+                        self.next_stale_sweep = time.monotonic() + STALE_SWEEP_SECONDS
+                        nursery.start_soon(self._sweep_stale_uploads)
+                    if not candidates and not self.busy:
+                        self._release_buffers_when_idle()
+                    else:
+                        self.idle_since = None
+                    now = self.clock()
+                    cpu_before = time.thread_time()
+                    eligible = schedule.eligible(candidates, now_ns=now, settle_ns=self.settle_ns,
+                                                 markers=self.markers, busy=self.busy)
+                    scan_cpu += time.thread_time() - cpu_before
+                    next_scan = time.monotonic() + self._scan_interval(scan_cpu)
+                    # What waits for a slot may start before the next scan, except directories
+                    # and markers: their turn depends on other pending inodes, judged at a scan.
+                    ready = [c for c in self._start_ready(nursery, eligible)
+                             if not c.is_dir and not any(schedule.is_marker(p, self.markers) for p in c.paths)]
+                    if tombstones and not self.tombstones_running:
+                        self.tombstones_running = True
+                        nursery.start_soon(self._tombstone_task, tombstones)
+                    if self.prehashing is None and self.settle_ns > 0:
+                        self._start_prehash(nursery, candidates, eligible, now)
+                except Exception:
+                    # A defect in the loop itself: shown and retried, never the end of the
+                    # drain (a restart would meet it again, and nothing would drain meanwhile).
+                    log.exception("the drain's scan failed; it runs again in %.0fs", PERMANENT_RETRY_FIRST)
+                    self.stats.unexpected_errors += 1
+                    ready, next_scan = [], time.monotonic() + PERMANENT_RETRY_FIRST
                 await self._poll_wait(bool(ready))
             nursery.cancel_scope.cancel()
         await self._publish_status()
@@ -388,12 +447,15 @@ class Drain:
             release_buffers()
             self.buffers_released = True
 
-    def _prune_errors(self, candidates: list[schedule.Candidate]) -> None:
-        """Errors of files that succeeded since, or are gone, leave the status."""
-        live = {c.path for c in candidates} | set(self.lost)
-        for path in [p for p in self.stats.errors if p != "(deletes)" and p not in live]:
+    def _prune_errors(self, candidates: list[schedule.Candidate], tombstones: list[tuple[str, dict]]) -> None:
+        """Errors of files and keys that succeeded since, or are gone, leave the status."""
+        live = {c.path for c in candidates} | set(self.lost) | set(self.unreadable)
+        deleting = {DELETE_ERROR_PREFIX + k for k, _ in tombstones}
+        for path in [p for p in self.stats.errors if p not in live and p not in deleting]:
             del self.stats.errors[path]
+        self.tombstone_quarantine.forget_except({k for k, _ in tombstones})
         self.stats.errors.update(self.lost)
+        self.stats.errors.update(self.unreadable)
 
     async def _startup(self) -> None:
         await self._retry("check bucket access", lambda: self.store.check_access(write=True))
@@ -417,6 +479,9 @@ class Drain:
             await self._abort_stale_uploads()
         except StoreError as exc:
             log.warning("could not list multipart uploads to abort stale ones: %s", exc)
+        except Exception:
+            log.exception("the sweep of stale multipart uploads failed; it runs again in an hour")
+            self.stats.unexpected_errors += 1
 
     async def _abort_stale_uploads(self) -> None:
         """Abort multipart uploads nobody will complete: older than a day and not ours."""
@@ -478,6 +543,18 @@ class Drain:
             self._requeue(cand.ino, OSERROR_BACKOFF)
             if isinstance(exc, FileNotFoundError) and self.cache.gateway_pid() is None:
                 await self._reconcile_cache_lengths([cand.ino])
+        except Exception as exc:  # unforeseen, tied to this file: it waits, the others drain
+            code = unexpected_code(exc)
+            log.exception("draining %s failed unexpectedly (%s); it is retried later, other files go on",
+                          cand.path, code)
+            self.stats.errors[cand.path] = code
+            self.stats.errors_by_code[code] += 1
+            self.stats.unexpected_errors += 1
+            try:
+                await self._write(durability.mark_error, cand.ino, code)
+            except Exception:
+                log.exception("could not record the error of %s in fsmeta", cand.path)
+            self._requeue(cand.ino, Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS))
         finally:
             self.busy.discard(cand.ino)
             self.stats.in_flight.pop(cand.ino, None)
@@ -744,7 +821,7 @@ class Drain:
     def _pending_file_paths(txn: Txn) -> list[tuple[int, list[str]]]:
         """(inode, its paths) of every pending file that is not a directory."""
         out = []
-        for ino, _ in txn.iter_pending():
+        for ino in txn.pending_inos():
             inode = txn.get_inode(ino)
             if inode is not None and inode.nlink > 0 and not inode.is_dir:
                 out.append((ino, [p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)]))
@@ -1344,6 +1421,10 @@ class Drain:
                     self.prehashed[ino] = (*info, digest)
         except (OSError, SourceChangedError):
             pass
+        except Exception:  # only an optimisation: the upload hashes the file itself
+            log.exception("hashing inode %d ahead of its upload failed", ino)
+            self.stats.unexpected_errors += 1
+            self.prehashed[ino] = (-1, -1, None)
         finally:
             self.prehashing = None
 
@@ -1528,6 +1609,21 @@ class Drain:
         return delete, drop
 
     async def _tombstone_task(self, items: list[tuple[str, dict]]) -> None:
+        """Delete the tombstoned objects of ``items``: in one batch, or one key at a time
+        after a batch failed (:class:`~.isolation.KeyQuarantine`), so that a key whose delete
+        fails waits alone and every other key is deleted."""
+        try:
+            batches = self.tombstone_quarantine.batches(items)
+            done = [await self._delete_tombstones(batch) for batch in batches]
+            if len(batches) > 1 and not any(done):
+                # Every key failed on its own: the bucket refuses deletes (a policy), not one
+                # key. Wait as long as for one failed file before the next round.
+                await trio.sleep(PERMANENT_RETRY_SECONDS)
+        finally:
+            self.tombstones_running = False
+
+    async def _delete_tombstones(self, items: list[tuple[str, dict]]) -> bool:
+        """One batch of tombstones; False if it failed (shown in the status, kept)."""
         try:
             items = [(k, r) for k, r in items if k not in self.busy_keys]
             # Reserve the keys before deciding: a file that gets one of these names while
@@ -1569,14 +1665,32 @@ class Drain:
                         txn.remove_tombstone(key)
 
             await self._write(commit)
-            self.stats.errors.pop("(deletes)", None)
         except StoreError as exc:
-            log.error("deleting objects failed: %s", exc)
-            self.stats.errors["(deletes)"] = exc.code
-            self.stats.errors_by_code[exc.code] += 1
-            await trio.sleep(PERMANENT_RETRY_SECONDS)
-        finally:
-            self.tombstones_running = False
+            log.error("deleting %s failed: %s", self._what_deletes(items), exc)
+            self._deletes_failed(items, exc.code)
+        except Exception as exc:  # unforeseen, tied to these keys: the others go on
+            code = unexpected_code(exc)
+            log.exception("deleting %s failed unexpectedly (%s); retried later", self._what_deletes(items), code)
+            self.stats.unexpected_errors += 1
+            self._deletes_failed(items, code)
+        else:
+            keys = [k for k, _ in items]
+            self.tombstone_quarantine.succeeded(keys)
+            for key in keys:
+                self.stats.errors.pop(DELETE_ERROR_PREFIX + key, None)
+            return True
+        return False
+
+    @staticmethod
+    def _what_deletes(items: list[tuple[str, dict]]) -> str:
+        return items[0][0] if len(items) == 1 else f"{len(items)} objects"
+
+    def _deletes_failed(self, items: list[tuple[str, dict]], code: str) -> None:
+        self.stats.errors_by_code[code] += 1
+        keys = [k for k, _ in items]
+        self.tombstone_quarantine.failed(keys)
+        if len(keys) == 1:
+            self.stats.errors[DELETE_ERROR_PREFIX + keys[0]] = code
 
     async def _delete_batch(self, keys: list[str]) -> dict:
         failed = await self.store.delete_many(keys)
@@ -1591,7 +1705,11 @@ class Drain:
 
     async def _status_loop(self) -> None:
         while True:
-            await self._publish_status()
+            try:
+                await self._publish_status()
+            except Exception:  # the status is for people; the uploads go on without it
+                log.exception("publishing the drain status failed")
+                self.stats.unexpected_errors += 1
             await trio.sleep(STATUS_SECONDS)
 
     async def _publish_status(self) -> None:
@@ -1612,6 +1730,7 @@ class Drain:
             "upload_rate_bytes_per_second": s.upload_rate(time.monotonic()),
             "retries_by_code": dict(s.retries_by_code),
             "errors_by_code": dict(s.errors_by_code),
+            "unexpected_errors": s.unexpected_errors,
             "histograms": {
                 "upload_request_duration_seconds": {op: h.to_json() for op, h in s.request_seconds.items()},
                 "time_to_durable_seconds": s.time_to_durable.to_json(),

@@ -103,7 +103,7 @@ def fsmeta_problems_in(txn: Txn) -> list[str]:
                 problems.append(f"inode {ino}: DURABLE but the bucket does not hold generation {inode.generation}")
             elif pending is not None and pending.reason == durability.DATA:
                 problems.append(f"inode {ino}: DURABLE but pending for its data")
-    for ino, _ in txn.iter_pending():
+    for ino in txn.pending_inos():
         if ino not in inodes:
             problems.append(f"pending record for missing inode {ino}")
     for ino, _ in txn.iter_uploads():

@@ -512,12 +512,17 @@ class BacklogSummary:
         return max(0.0, ((now_ns or time.time_ns()) - self.oldest_since_ns) / 1e9)
 
 
+def _skip(key: object, exc: Exception) -> None:
+    pass
+
+
 def backlog_summary(txn: Txn) -> BacklogSummary:
     """Pending entries, bytes to upload and the oldest pending time of the whole cache, from
     the queue alone (cheap enough for every metrics scrape)."""
     files = size = 0
     oldest = None
-    for ino, rec in txn.iter_pending():
+    # (a record that does not decode is the drain's to report: ckptfs status shows its error)
+    for ino, rec in txn.iter_pending(on_unreadable=_skip):
         inode = txn.get_inode(ino)
         if inode is None:
             continue
@@ -670,7 +675,7 @@ def pending_keys(txn: Txn) -> set[str]:
         if remote is not None and remote.key:
             keys.add(remote.key)
 
-    for ino, _ in txn.iter_pending():
+    for ino in txn.pending_inos():
         inode = txn.get_inode(ino)
         if inode is None:
             continue

@@ -30,9 +30,9 @@ from .txn import Txn
 def _candidates(txn: Txn, inos: list[int] | None, skip_open: bool) -> list[tuple[int, int, int, bool]]:
     """(ino, generation, recorded size, content still to upload) of pending regular files."""
     out = []
-    source = inos if inos is not None else [ino for ino, _ in txn.iter_pending()]
+    source = inos if inos is not None else list(txn.pending_inos())
     for ino in source:
-        if txn.get_pending(ino) is None:
+        if not txn.is_pending(ino):
             continue
         inode = txn.get_inode(ino)
         if inode is None or not inode.is_reg or inode.nlink == 0:

@@ -44,9 +44,10 @@ database      key                             value
                                               rename not drained yet), or
                                               ``.ckptfs-moving/<ino>-<hex>`` (parked by the
                                               drain to break a rename cycle)
-``remote_keys`` key bytes                     ino: reverse index of ``remote`` (an object
-                                              that is some inode's content is never
-                                              deleted by a tombstone)
+``remote_keys`` bucket key (see below)         ino (u64), then, for a long key, the full
+                                              key's bytes: reverse index of ``remote``
+                                              (an object that is some inode's content is
+                                              never deleted by a tombstone)
 ``pending``   ino                             :class:`ckptfs.fsmeta.records.PendingRecord`
                                               (19 bytes, struct; JSON from earlier versions
                                               is read too): the bucket does not match this
@@ -59,7 +60,7 @@ database      key                             value
 ``uploads``   ino                             JSON :class:`ckptfs.fsmeta.records.UploadRecord`:
                                               an in-flight multipart upload (id, key,
                                               part size, generation, finished parts)
-``tombstones`` key bytes (relative to prefix) JSON: an object to delete from the bucket
+``tombstones`` bucket key (see below)         JSON: an object to delete from the bucket
                                               (old name of a renamed durable file,
                                               unlinked file, removed dir marker):
                                               ``since_ns``, ``upload_id`` (a dead upload
@@ -71,7 +72,8 @@ database      key                             value
                                               below a renamed directory, e.g. a second
                                               hard link's; no delete while the file or a
                                               directory above it is pending; a record
-                                              without it is deleted at once)
+                                              without it is deleted at once); ``key``:
+                                              the full key, for a long key only
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
 ``errors``    ino                             utf-8: the last permanent upload error, or a
@@ -79,6 +81,18 @@ database      key                             value
                                               (``RemoteHashMismatch``; ``user.ckptfs.state``
                                               shows it)
 ============  ==============================  ============================================
+
+**Bucket keys as LMDB keys.** ``remote_keys`` and ``tombstones`` are keyed by a bucket
+key relative to the prefix: S3 takes up to 1,024 bytes of UTF-8, LMDB at most
+``LMDB_KEY_MAX`` (511) bytes. A key that fits is stored as its UTF-8 bytes, as before this
+encoding existed, so older caches read unchanged. A longer one is stored as its first
+``LONG_KEY_HEAD`` bytes, a NUL, and the SHA-256 of the whole key (:func:`bucket_key`: 511
+bytes), and the record's value carries the full key. A bucket key never holds a NUL (it is
+made of POSIX names), so the two forms never meet; and every key that starts with a prefix of
+at most ``LONG_KEY_HEAD`` bytes is still stored under that prefix, so a range scan of "keys
+below a directory" scans the head of the directory's key and filters on the full keys
+(:meth:`ckptfs.fsmeta.txn.Txn.tombstones_below`). Range order of long keys is not the full
+keys' order; no caller relies on it.
 
 Invariants kept by every write transaction:
 
@@ -96,6 +110,7 @@ Invariants kept by every write transaction:
   with reason ``data``.
 """
 
+import hashlib
 import struct
 
 SCHEMA_VERSION = 1
@@ -120,6 +135,30 @@ ROOT_INO = 1
 
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
+
+
+LMDB_KEY_MAX = 511  # MDB_MAXKEYSIZE of the default build py-lmdb ships
+_DIGEST = 32
+LONG_KEY_HEAD = LMDB_KEY_MAX - 1 - _DIGEST
+
+
+def bucket_key(key: str) -> bytes:
+    """The LMDB key of a record keyed by the bucket key ``key`` (see the docstring)."""
+    raw = key.encode()
+    if len(raw) <= LMDB_KEY_MAX:
+        return raw
+    return raw[:LONG_KEY_HEAD] + b"\0" + hashlib.sha256(raw).digest()
+
+
+def is_long_bucket_key(key: str) -> bool:
+    """Whether ``key`` is stored in the hashed form, its full bytes in the value."""
+    return len(key.encode()) > LMDB_KEY_MAX
+
+
+def bucket_key_scan_prefix(prefix: str) -> bytes:
+    """The LMDB prefix under which every record whose bucket key starts with ``prefix`` is
+    stored (the caller filters on the full keys when ``prefix`` is longer than the head)."""
+    return prefix.encode()[:LONG_KEY_HEAD]
 
 
 def ino_key(ino: int) -> bytes:

@@ -315,6 +315,11 @@ class MetaStore:
             max_readers=256,
             lock=True,
         )
+        if (max_key := self.env.max_key_size()) < schema.LMDB_KEY_MAX:
+            # Bucket keys are encoded for this limit (schema.bucket_key); a smaller build of
+            # LMDB would refuse some of them at the first write.
+            self.env.close()
+            raise RuntimeError(f"fsmeta needs LMDB keys of {schema.LMDB_KEY_MAX} bytes; this py-lmdb allows {max_key}")
         self._gate = _TxnGate()
         # Deferred commits (defer_commits): the open batch and who uses it.
         self._committer: _Committer | None = None

@@ -10,12 +10,21 @@ from __future__ import annotations
 import json
 import stat
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import lmdb
 
 from . import schema
 from .records import FileState, Inode, PendingRecord, RemoteRecord, UploadRecord
+
+
+Unreadable = Callable[[object, Exception], None]  # (its key: ino or bucket key, exception) of a record that does not decode
+
+
+class UnreadableRecord(ValueError):
+    """An fsmeta record that does not decode (a defect, or a damaged database)."""
+
+    error_code = "UnreadableRecord"  # as shown in ckptfs status
 
 
 class Txn:
@@ -281,28 +290,54 @@ class Txn:
     def clear_pending(self, ino: int) -> None:
         self._delete("pending", schema.ino_key(ino))
 
-    def iter_pending(self) -> Iterator[tuple[int, PendingRecord]]:
+    def is_pending(self, ino: int) -> bool:
+        """Whether ``ino`` is pending, without reading its record."""
+        return self._get("pending", schema.ino_key(ino)) is not None
+
+    def pending_inos(self) -> Iterator[int]:
+        """The pending inodes, without reading their records."""
+        cursor = self.raw.cursor(db=self.dbs["pending"])
+        for key in cursor.iternext(keys=True, values=False):
+            yield schema.key_ino(key)
+
+    def iter_pending(self, on_unreadable: Unreadable | None = None) -> Iterator[tuple[int, PendingRecord]]:
+        """Every pending inode. ``on_unreadable(name, exc)``: a record that does not decode is
+        passed to it and skipped (the drain's scan: one bad record must not stop the others);
+        without it, the error is raised."""
         cursor = self.raw.cursor(db=self.dbs["pending"])
         for key, value in cursor:
-            yield schema.key_ino(key), PendingRecord.from_bytes(value)
+            try:
+                item = schema.key_ino(key), PendingRecord.from_bytes(value)
+            except Exception as exc:
+                if on_unreadable is None:
+                    raise
+                on_unreadable(schema.key_ino(key), UnreadableRecord(f"pending record: {exc!r}"))
+                continue
+            yield item
 
     def get_remote(self, ino: int) -> RemoteRecord | None:
         raw = self._get("remote", schema.ino_key(ino))
         return RemoteRecord.from_bytes(raw) if raw is not None else None
 
+    def _remote_key_owner(self, key: str) -> int | None:
+        raw = self._get("remote_keys", schema.bucket_key(key))
+        if raw is None or (len(raw) > 8 and bytes(raw[8:]).decode() != key):
+            return None
+        return schema.unpack_u64(raw[:8])
+
     def _drop_remote_key(self, key: str, ino: int) -> None:
         """Remove ``key`` from the reverse index if it still names ``ino`` (another inode
         may have taken the key over, e.g. a directory re-created under a removed one's name)."""
-        raw = self._get("remote_keys", key.encode())
-        if raw is not None and schema.unpack_u64(raw) == ino:
-            self._delete("remote_keys", key.encode())
+        if self._remote_key_owner(key) == ino:
+            self._delete("remote_keys", schema.bucket_key(key))
 
     def put_remote(self, ino: int, rec: RemoteRecord) -> None:
         old = self.get_remote(ino)
         if old is not None:
             self._drop_remote_key(old.key, ino)
         self._put("remote", schema.ino_key(ino), rec.to_bytes())
-        self._put("remote_keys", rec.key.encode(), schema.pack_u64(ino))
+        full = rec.key.encode() if schema.is_long_bucket_key(rec.key) else b""
+        self._put("remote_keys", schema.bucket_key(rec.key), schema.pack_u64(ino) + full)
 
     def delete_remote(self, ino: int) -> None:
         old = self.get_remote(ino)
@@ -312,8 +347,7 @@ class Txn:
 
     def owner_of_remote_key(self, key: str) -> int | None:
         """The inode whose durable content is the object at ``key`` (a copy source)."""
-        raw = self._get("remote_keys", key.encode())
-        return schema.unpack_u64(raw) if raw is not None else None
+        return self._remote_key_owner(key)
 
     def get_upload(self, ino: int) -> UploadRecord | None:
         raw = self._get("uploads", schema.ino_key(ino))
@@ -354,28 +388,53 @@ class Txn:
             rec["writer"] = writer
         if after is not None:
             rec["after"] = after
-        self._put("tombstones", key.encode(), json.dumps(rec).encode())
+        self._put("tombstones", schema.bucket_key(key), self._tombstone_value(key, rec))
+
+    @staticmethod
+    def _tombstone_value(key: str, rec: dict) -> bytes:
+        return json.dumps({**rec, "key": key} if schema.is_long_bucket_key(key) else rec).encode()
+
+    @staticmethod
+    def _tombstone_item(stored: bytes, value: bytes) -> tuple[str, dict]:
+        rec = json.loads(bytes(value))
+        return rec.pop("key", None) or bytes(stored).decode(), rec
 
     def get_tombstone(self, key: str) -> dict | None:
-        raw = self._get("tombstones", key.encode())
-        return json.loads(bytes(raw)) if raw is not None else None
+        raw = self._get("tombstones", schema.bucket_key(key))
+        if raw is None:
+            return None
+        full, rec = self._tombstone_item(b"", raw)
+        return rec if not full or full == key else None
 
     def remove_tombstone(self, key: str) -> None:
-        self._delete("tombstones", key.encode())
+        if self.get_tombstone(key) is not None:
+            self._delete("tombstones", schema.bucket_key(key))
 
-    def iter_tombstones(self) -> Iterator[tuple[str, dict]]:
+    def iter_tombstones(self, on_unreadable: Unreadable | None = None) -> Iterator[tuple[str, dict]]:
+        """Every tombstone; ``on_unreadable`` as for :meth:`iter_pending`."""
         cursor = self.raw.cursor(db=self.dbs["tombstones"])
         for key, value in cursor:
-            yield bytes(key).decode(), json.loads(bytes(value))
+            try:
+                item = self._tombstone_item(key, value)
+            except Exception as exc:
+                if on_unreadable is None:
+                    raise
+                on_unreadable(bytes(key).decode("utf-8", "replace"), UnreadableRecord(f"tombstone: {exc!r}"))
+                continue
+            yield item
 
     def tombstones_below(self, prefix: str) -> Iterator[tuple[str, dict]]:
-        for key, value in self._iter_prefix("tombstones", prefix.encode()):
-            yield bytes(key).decode(), json.loads(bytes(value))
+        for stored, value in self._iter_prefix("tombstones", schema.bucket_key_scan_prefix(prefix)):
+            key, rec = self._tombstone_item(stored, value)
+            if key.startswith(prefix):
+                yield key, rec
 
     def remote_keys_below(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key, owner) of the recorded bucket objects whose key starts with ``prefix``."""
-        for key, value in self._iter_prefix("remote_keys", prefix.encode()):
-            yield bytes(key).decode(), schema.unpack_u64(value)
+        for stored, value in self._iter_prefix("remote_keys", schema.bucket_key_scan_prefix(prefix)):
+            key = bytes(value[8:] if len(value) > 8 else stored).decode()
+            if key.startswith(prefix):
+                yield key, schema.unpack_u64(value[:8])
 
     def forget_remote_object(self, ino: int) -> None:
         """The inode's bucket object (and any in-flight upload) must go: tombstone them."""

@@ -312,3 +312,22 @@ def test_objects_have_the_permission_bits_of_their_files(store, tmp_path):
         assert perms("big") == 0o600
 
     run(main)
+
+
+def test_names_up_to_name_max_keep_their_metadata(store, tmp_path):
+    """A name of up to 255 bytes is an object with its metadata: the sidecar of a name with no
+    room for the sidecar prefix is named by a hash, and a copy and a delete find it too."""
+    async def main():
+        for name in ("s" * 245, "l" * 246, "m" * 255, "é" * 127):
+            key = f"dir/{name}"
+            await store.put_object(key, b"data", {"mode": "33188"})
+            assert dict((await store.head(key)).metadata) == {"mode": "33188"}
+            await store.copy(key, f"other/{name}", {"mode": "33261"})
+            assert dict((await store.head(f"other/{name}")).metadata) == {"mode": "33261"}
+            assert [o.key for o in (await store.list("dir/")).objects] == [key]
+            await store.delete(key)
+            await store.delete(f"other/{name}")
+            assert await store.head(key) is None
+        assert not (tmp_path / "bucket" / "dir").exists()  # no sidecar left behind
+
+    run(main)

@@ -17,7 +17,11 @@ field                               meaning
 ``oldest_pending_age_seconds``      how long the longest-waiting entry has waited (null: none)
 ``upload_rate_bytes_per_second``    the drain's recent upload rate (null: no drain has said)
 ``uploaded_bytes``/``_files``       totals since the drain started
-``errors``                          path -> permanent error code
+``errors``                          path -> permanent error code; also ``delete KEY`` -> the
+                                    code of a failed delete, and records the drain could not
+                                    read (``<inode N>``)
+``unexpected_errors``               unforeseen exceptions the drain caught around one file or
+                                    key since it started (each also logged with its traceback)
 ``retrying``                        operation -> retry state, for retryable errors
 ``cache``                           ``used_bytes`` (cache files), ``dirty_bytes``, and the cache
                                     device's ``device_bytes`` and ``device_free_bytes``
@@ -222,7 +226,8 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "pending_deletes": len(backlog.deletes),
         "oldest_pending_age_seconds": _age(now, backlog.oldest_since_ns),
         "upload_rate_bytes_per_second": drain.get("upload_rate_bytes_per_second"),
-        "errors": backlog.errors,
+        "errors": {**_drain_errors_under(drain, rel), **backlog.errors},
+        "unexpected_errors": drain.get("unexpected_errors", 0),
         "retrying": drain.get("retrying", {}),
         "uploaded_bytes": drain.get("uploaded_bytes", 0),
         "uploaded_files": drain.get("uploaded_files", 0),
@@ -235,6 +240,18 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
                                rate=report["upload_rate_bytes_per_second"])
         report["checkpoints"] = [r for r in rows if not rel or r["path"] == rel or r["path"].startswith(prefix)]
     return report
+
+
+def _drain_errors_under(drain: dict, rel: str) -> dict:
+    """The drain's own errors at or below ``rel``: failed deletes (``delete KEY``) and
+    records it could not read, beside the files in error that fsmeta records."""
+    prefix = rel + "/" if rel else ""
+    out = {}
+    for what, code in (drain.get("errors") or {}).items():
+        path = what.removeprefix("delete ")
+        if not rel or path == rel or path.startswith(prefix):
+            out[what] = code
+    return out
 
 
 def _seconds(value: float | None) -> str:
