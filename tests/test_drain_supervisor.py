@@ -4,6 +4,7 @@ real child processes that crash."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import trio
@@ -157,3 +158,17 @@ def test_status_never_shows_a_drain_that_is_down_as_blank():
     # A record left by a gateway that is no longer running is not believed.
     stale = drain_health(gateway_record(100, state="crash-looping", crash_looping_since_ns=now), None, None, now)
     assert stale["summary"] == "not running (no gateway)"
+
+
+def test_a_drain_whose_gateway_is_gone_writes_its_log_to_the_cache_directory(tmp_path):
+    """Its stderr was the pipe the gateway read: the rest goes to CACHE/gateway.log instead."""
+    code = ("import sys; from ckptfs.drain.process import log_to_cache_dir_if_stderr_is_a_pipe as f; "
+            f"f({str(tmp_path)!r}); print('after the gateway', file=sys.stderr)")
+    through_a_pipe = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, timeout=60)
+    assert through_a_pipe.returncode == 0 and through_a_pipe.stderr == ""
+    assert (tmp_path / "gateway.log").read_text() == "after the gateway\n"
+    (tmp_path / "gateway.log").unlink()
+    with open(tmp_path / "own.log", "w") as own:  # a drain run by hand keeps its own stderr
+        subprocess.run([sys.executable, "-c", code], stderr=own, timeout=60, check=True)
+    assert (tmp_path / "own.log").read_text() == "after the gateway\n"
+    assert not (tmp_path / "gateway.log").exists()
