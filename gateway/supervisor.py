@@ -107,6 +107,8 @@ _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|
 _SECRET_ASSIGNMENT = re.compile(
     r"(?i)\b((?:aws_)?(?:secret_access_key|session_token|secret[_-]?key|password|token)|x-amz-signature|x-amz-credential"
     r"|authorization|signature|credential)(\W{1,3})([^\s,;&\"']+)")
+# How an exception group's traceback indents the tracebacks of its members.
+_GROUP_MEMBER_PREFIX = re.compile(r"^\s*(?:\|\s*)+")
 _URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/\s@]+@", re.I)
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECURITY_TOKEN")
 MAX_ERROR_CHARS = 500
@@ -126,7 +128,7 @@ def redact(line: str, environ=os.environ) -> str:
 def last_error_line(lines: list[str]) -> str | None:
     """The line of a process's last output that says why it stopped (credentials redacted), or None."""
     for line in reversed(lines):
-        line = line.rstrip()
+        line = _GROUP_MEMBER_PREFIX.sub("", line.rstrip())
         if line and _ERROR_LINE.match(line):
             line = redact(line)
             return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
