@@ -283,7 +283,6 @@ class GatewayStatus:
             self._meta.write(lambda txn: txn.put_gateway_status(record))
 
 
-
 def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     def fail(message: str) -> int:

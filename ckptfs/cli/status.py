@@ -300,10 +300,16 @@ def drain_health(gateway: dict, gateway_pid: int | None, drain_pid: int | None, 
     return health
 
 
+def _drain_process_now(health: dict) -> str:
+    if health["pid"]:
+        return f"{'starting' if health['state'] == 'starting' else 'running'} (pid {health['pid']})"
+    if health["restart_in_seconds"] is not None:
+        return f"restarting in {_seconds(health['restart_in_seconds'])}"
+    return "restarting"
+
+
 def _drain_summary(health: dict, now_ns: int, since_ns: int | None) -> str:
-    pid, restart_in = health["pid"], health["restart_in_seconds"]
-    now = (f"running (pid {pid})" if pid and health["state"] != "starting" else f"starting (pid {pid})" if pid
-           else f"restarting in {_seconds(restart_in)}" if restart_in is not None else "restarting")
+    now = _drain_process_now(health)
     last_error = f"; last error: {health['last_error']}" if health["last_error"] else ""
     if health["state"] == "crash-looping":
         since = _utc(since_ns)
