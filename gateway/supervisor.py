@@ -197,10 +197,6 @@ class DrainSupervisor:
                               "loop_exits": self.tracker.policy.exits,
                               "loop_window_seconds": self.tracker.policy.window_seconds}
 
-    @property
-    def restarts(self) -> int:
-        return self.tracker.restarts
-
     def health(self) -> dict:
         return dict(self._health)
 
