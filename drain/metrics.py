@@ -183,17 +183,22 @@ def add_build_info(registry: CollectorRegistry) -> None:
           registry=registry).labels(__version__).set(1)
 
 
-def serve(addr: str, registry: CollectorRegistry):
-    """Start the /metrics endpoint in a background thread and return its server (``shutdown()``
-    stops it), or None: a busy port is logged, not fatal."""
+def start_endpoint(addr: str, registry: CollectorRegistry):
+    """Start the /metrics endpoint in a background thread: ``(server, None)`` (``shutdown()``
+    stops it), or ``(None, why)``: a busy address is logged, not fatal."""
     host, port = parse_addr(addr)
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         log.warning("metrics endpoint %s not started: %s", addr, exc)
-        return None
+        return None, exc.strerror or str(exc)
     log.info("metrics on http://%s:%d/metrics", host, port)
-    return server
+    return server, None
+
+
+def serve(addr: str, registry: CollectorRegistry):
+    """:func:`start_endpoint`'s server, or None."""
+    return start_endpoint(addr, registry)[0]
 
 
 @contextlib.contextmanager

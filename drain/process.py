@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import signal
+import stat
 import sys
 
 import trio
@@ -33,6 +34,19 @@ log = logging.getLogger("ckptfs.drain")
 
 class DrainSetupError(Exception):
     pass
+
+
+def log_to_cache_dir_if_stderr_is_a_pipe(cache_dir: str) -> None:
+    """A supervised drain's stderr is a pipe its gateway copies to the log: once that gateway
+    is gone, write to the cache directory's log instead, so the rest is not lost."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(2).st_mode):
+            return
+        fd = os.open(CacheDir(cache_dir).gateway_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def load_settings(cache_dir: str) -> tuple[MetaStore, Settings]:
@@ -74,6 +88,7 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
                     # Outlived our gateway: finish what is queued, then let the next one take over.
                     while os.getppid() == gateway_pid:
                         await trio.sleep(1.0)
+                    log_to_cache_dir_if_stderr_is_a_pipe(cache_dir)
                     log.info("gateway is gone; draining what is left, then exiting")
                     drain.until_empty = True
                 nursery.start_soon(orphan_watch)
@@ -84,14 +99,15 @@ async def _run(cache_dir: str, meta: MetaStore, settings, *, until_empty: bool, 
 
 def run(cache_dir: str, *, until_empty: bool = False, supervised: bool = False) -> int:
     cache_dir = os.path.abspath(cache_dir)
+    lock_path = CacheDir(cache_dir).drain_lock
     try:
-        lock_fd = locks.acquire(CacheDir(cache_dir).drain_lock, wait=supervised)
+        lock_fd = locks.acquire(lock_path, wait=supervised)
     except locks.LockHeld as exc:
         print(f"ckptfs: cache directory {cache_dir}: a drain is already running (pid {exc.holder})",
               file=sys.stderr)
         return 3
     except OSError as exc:
-        print(f"ckptfs: cache directory {cache_dir}: {exc.strerror}", file=sys.stderr)
+        print(f"ckptfs: cache directory {cache_dir}: cannot open {lock_path}: {exc.strerror}", file=sys.stderr)
         return 1
     try:
         meta, settings = load_settings(cache_dir)

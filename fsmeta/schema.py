@@ -20,7 +20,11 @@ database      key                             value
                                               uploads with bytes done, retries, totals),
                                               refreshed every second, read by status/wait
               ``b"gateway_status"``           JSON: the gateway's pid, mountpoint and data
-                                              path (passthrough|writeback), set at mount
+                                              path (passthrough|writeback), set at mount;
+                                              ``metrics`` (address, served or why not) and
+                                              ``drain`` (its supervisor's view: state,
+                                              pid, restarts, last exit and error line,
+                                              crash loop since), updated as they change
               ``b"space_status"``             JSON: the gateway's cache-space view (cap,
                                               watermarks, bytes used and by state,
                                               evictions, writers waiting for room),

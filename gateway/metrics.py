@@ -69,6 +69,15 @@ NAMESPACE_ERRORS = Counter(
     "ckptfs_namespace_bucket_errors_total",
     "Failed bucket requests of the namespace (the cache answers until the TTL ends)", registry=REGISTRY,
 )
+# The gateway's supervision of its drain (gateway/supervisor.py).
+DRAIN_RESTARTS = Counter(
+    "ckptfs_drain_restarts", "Times the drain process exited and the gateway restarted it (counted at the exit)",
+    registry=REGISTRY,
+)
+DRAIN_CRASH_LOOPING = Gauge(
+    "ckptfs_drain_crash_looping", "1 while the drain is crash-looping (3 exits within 60 s, until it stays up "
+    "60 s), else 0", registry=REGISTRY,
+)
 drain_metrics.add_build_info(REGISTRY)
 
 
@@ -136,5 +145,6 @@ def set_fuse_transport(transport: str) -> None:
         FUSE_TRANSPORT.labels(other).set(1 if other == transport else 0)
 
 
-def serve(addr: str) -> None:
-    drain_metrics.serve(addr, REGISTRY)
+def serve(addr: str) -> str | None:
+    """Serve the endpoint; None, or why it could not (a busy address is not fatal to the mount)."""
+    return drain_metrics.start_endpoint(addr, REGISTRY)[1]

@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import ckptfs_fuse
@@ -265,6 +266,23 @@ def choose_fuse_transport(requested: str) -> tuple[bool, str]:
 # -- running --------------------------------------------------------------------------------
 
 
+class GatewayStatus:
+    """``meta/gateway_status``: what this gateway tells ``ckptfs status`` (pid, mountpoint, data
+    path and FUSE transport, its metrics endpoint, its drain's health). Several threads update
+    parts of it; each update writes the whole record, in the order of the updates."""
+
+    def __init__(self, meta, **fields):
+        self._meta = meta
+        self._fields = dict(fields)
+        self._lock = threading.Lock()
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self._fields.update(fields)
+            record = dict(self._fields)
+            self._meta.write(lambda txn: txn.put_gateway_status(record))
+
+
 def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     def fail(message: str) -> int:
@@ -316,17 +334,17 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     core.enable_spares()
     log.info("cache cap %d bytes (evict from %d down to %d; writers wait up to %gs for room)",
              limits.cap, limits.high, limits.low, limits.timeout)
-    supervisor = DrainSupervisor(settings)
+    gateway_status = GatewayStatus(meta, pid=os.getpid(), mountpoint=mountpoint, started_ns=time.time_ns(),
+                                   metrics={"addr": settings.metrics_addr, "serving": None, "error": None})
+    supervisor = DrainSupervisor(settings, publish=lambda health: gateway_status.update(drain=health))
     fsync_hook = supervisor.remote_fsync_hook(meta) if settings.fsync == "remote" else None
     session: ckptfs_fuse.Session | None = None
 
-    started_ns = time.time_ns()
     running = {"data_path": data_path, "fuse_transport": "dev_fuse"}  # until INIT says
 
     def record_modes(**modes: str) -> None:
         running.update(modes)
-        meta.write(lambda txn: txn.put_gateway_status(
-            {"pid": os.getpid(), "mountpoint": mountpoint, "started_ns": started_ns, **running}))
+        gateway_status.update(**running)
         metrics.set_data_path(running["data_path"])
         metrics.set_fuse_transport(running["fuse_transport"])
 
@@ -394,7 +412,11 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     record_modes()  # until INIT confirms them (on_init, on_init_replied)
     metrics.watch_fuse(session, ckptfs_fuse.BUCKET_BOUNDS)
     metrics.watch_cache(settings.cache_dir, meta)
-    metrics.serve(settings.metrics_addr)
+    # A busy address (another mount on this host) leaves this mount without metrics, not
+    # without a file system: ckptfs status says so.
+    metrics_error = metrics.serve(settings.metrics_addr)
+    gateway_status.update(metrics={"addr": settings.metrics_addr, "serving": metrics_error is None,
+                                   "error": metrics_error})
     supervisor.start()
     log.info("mounted %s on %s (cache %s)", settings.bucket_url, mountpoint, settings.cache_dir)
     if ready_fd is not None:

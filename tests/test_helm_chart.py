@@ -57,6 +57,8 @@ METRIC_CONTRACT = {
     "ckptfs_fuse_requests_total": "counter",
     "ckptfs_fuse_errors_total": "counter",
     "ckptfs_fuse_request_duration_seconds": "histogram",
+    "ckptfs_drain_restarts_total": "counter",
+    "ckptfs_drain_crash_looping": "gauge",
 }
 
 # The settings ckptfs accepts in its TOML file (it refuses any other key); the chart renders a subset.
@@ -200,7 +202,7 @@ def test_crd_objects_render_only_when_enabled_and_are_well_formed(helm, tmp_path
     assert groups and all(g["name"] and g["rules"] for g in groups)
     alerts = {r["alert"]: r for g in groups for r in g["rules"]}
     assert set(alerts) == {"CkptfsOldestDirtyTooOld", "CkptfsPermanentUploadErrors", "CkptfsBackpressure",
-                           "CkptfsCacheNearCap"}
+                           "CkptfsCacheNearCap", "CkptfsDrainCrashLooping"}
     for r in alerts.values():
         assert isinstance(r["expr"], str) and r["expr"].strip()
         assert r["labels"]["severity"] in {"warning", "critical"}
@@ -215,6 +217,7 @@ def test_alert_thresholds_come_from_values(helm, tmp_path):
     assert re.search(r"ckptfs_cache_max_bytes.*>\s*0\.85\b", alerts["CkptfsCacheNearCap"], re.S)
     assert re.search(r"ckptfs_files_in_error.*>\s*0\b", alerts["CkptfsPermanentUploadErrors"])
     assert re.search(r"ckptfs_backpressure_waiting_writers.*>\s*0\b", alerts["CkptfsBackpressure"])
+    assert re.search(r"ckptfs_drain_crash_looping.*>\s*0\b", alerts["CkptfsDrainCrashLooping"])
 
 
 # ---------------------------------------------------------------- the gateway DaemonSet
@@ -467,7 +470,7 @@ def test_dashboard_uses_only_contract_metrics_and_covers_them(helm, tmp_path):
     assert used == set(METRIC_CONTRACT), f"not on the dashboard: {set(METRIC_CONTRACT) - used}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("backlog", "oldest dirty", "time to durable", "throughput", "error", "cache", "backpressure",
-                  "fuse", "data path"):
+                  "fuse", "data path", "drain restarts"):
         assert topic in titles, topic
 
     # the optional ConfigMap ships that file, labelled for the Grafana sidecar

@@ -11,6 +11,15 @@ field                               meaning
 ``fuse_transport``                  how FUSE requests reach the gateway: ``io_uring`` (a queue
                                     per CPU) or ``dev_fuse``
 ``gateway_pid``, ``drain_pid``      the processes working on the cache (null: none)
+``drain``                           the drain's health: ``state`` (``running``, ``starting``,
+                                    ``down``, ``crash-looping``, ``not running``), ``summary``
+                                    (the line ``status`` prints), ``pid``, ``supervised`` (a
+                                    gateway watches it), ``restarts`` (since the mount),
+                                    ``last_exit`` (``exited N``, ``killed by SIGKILL``),
+                                    ``last_error`` (its last error line), ``crash_looping_since``
+                                    (UTC, ISO 8601) and ``restart_in_seconds``
+``metrics_endpoint``                with a live gateway: ``addr``, ``serving`` (false: the
+                                    address was taken, e.g. by another mount) and ``error``
 ``pending_files``                   files and directories whose bucket object does not match yet
 ``pending_bytes``                   bytes still to upload (moves cost none)
 ``pending_deletes``                 bucket keys still to delete
@@ -212,6 +221,7 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         meta.close()
     now = time.time_ns()
     gateway_pid = cache.gateway_pid()
+    drain_pid = cache.drain_pid()
     if not gateway_pid:
         space = {}  # a stopped gateway's last figures are not live
     report = {
@@ -220,7 +230,9 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "data_path": gateway.get("data_path") if gateway_pid else None,
         "fuse_transport": gateway.get("fuse_transport") if gateway_pid else None,
         "gateway_pid": gateway_pid,
-        "drain_pid": cache.drain_pid(),
+        "drain_pid": drain_pid,
+        "drain": drain_health(gateway, gateway_pid, drain_pid, now),
+        "metrics_endpoint": metrics_endpoint(gateway, gateway_pid),
         "pending_files": len(backlog.files),
         "pending_bytes": backlog.bytes,
         "pending_deletes": len(backlog.deletes),
@@ -254,6 +266,96 @@ def _drain_errors_under(drain: dict, rel: str) -> dict:
     return out
 
 
+# -- the drain's and the metrics endpoint's health (meta/gateway_status) -----------------------
+
+
+def _utc(ns: int) -> datetime:
+    return datetime.fromtimestamp(ns / 1e9, timezone.utc)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drain_health(gateway: dict, gateway_pid: int | None, drain_pid: int | None, now_ns: int) -> dict:
+    """The drain's health, from what a live gateway's supervisor last published and who holds
+    ``drain.lock``: a drain that is down is said to be down, never left blank."""
+    supervised = gateway.get("drain") if gateway_pid and gateway.get("pid") == gateway_pid else None
+    health = {"state": "not running", "summary": "", "pid": drain_pid, "supervised": supervised is not None,
+              "restarts": 0, "last_exit": None, "last_error": None, "crash_looping_since": None,
+              "restart_in_seconds": None}
+    if supervised is None:
+        if drain_pid:
+            health["state"] = "running"
+            health["summary"] = f"running (pid {drain_pid}, " + (
+                "without a gateway: ckptfs drain)" if not gateway_pid else "not reported by the gateway)")
+        else:
+            health["summary"] = ("not running (no gateway)" if not gateway_pid
+                                 else "not running (the gateway has not reported it)")
+        return health
+    state = supervised.get("state", "running")
+    pid = drain_pid or supervised.get("pid")
+    if state in ("running", "starting", "crash-looping") and pid and not drain_pid and not _process_alive(pid):
+        pid = None  # exited since the supervisor last looked; it restarts it within a second or two
+        state = "down" if state != "crash-looping" else state
+    elif state == "running" and pid and not drain_pid:
+        state = "starting"  # started, not yet holding drain.lock (or waiting for an older drain)
+    restart_at = supervised.get("restart_at_ns")
+    restart_in = max(0.0, (restart_at - now_ns) / 1e9) if restart_at and not pid else None
+    since = supervised.get("crash_looping_since_ns")
+    health.update(state=state, pid=pid, restarts=supervised.get("restarts", 0),
+                  last_exit=supervised.get("last_exit"), last_error=supervised.get("last_error"),
+                  crash_looping_since=_utc(since).isoformat(timespec="seconds") if since else None,
+                  restart_in_seconds=restart_in)
+    health["summary"] = _drain_summary(health, now_ns, since)
+    return health
+
+
+def _drain_process_now(health: dict) -> str:
+    if health["pid"]:
+        return f"{'starting' if health['state'] == 'starting' else 'running'} (pid {health['pid']})"
+    if health["restart_in_seconds"] is not None:
+        return f"restarting in {_seconds(health['restart_in_seconds'])}"
+    return "restarting"
+
+
+def _drain_summary(health: dict, now_ns: int, since_ns: int | None) -> str:
+    now = _drain_process_now(health)
+    last_error = f"; last error: {health['last_error']}" if health["last_error"] else ""
+    if health["state"] == "crash-looping":
+        since = _utc(since_ns)
+        return (f"crash-looping since {since:%Y-%m-%d %H:%M:%S} UTC ({_seconds(_age(now_ns, since_ns))} ago), "
+                f"{health['restarts']} restarts; {now}; last exit: {health['last_exit'] or 'unknown'}{last_error}")
+    if health["state"] == "down":
+        return f"down ({health['last_exit'] or 'exited'}, {now}){last_error}"
+    if health["restarts"]:
+        return (f"{now}; restarted {health['restarts']} time(s) since the mount, last exit: "
+                f"{health['last_exit']}{last_error}")
+    return now
+
+
+def metrics_endpoint(gateway: dict, gateway_pid: int | None) -> dict | None:
+    """The live gateway's metrics endpoint: its address, and whether it could be served."""
+    if not gateway_pid or gateway.get("pid") != gateway_pid:
+        return None
+    return gateway.get("metrics")
+
+
+def _metrics_line(endpoint: dict) -> str:
+    if endpoint.get("serving"):
+        return f"http://{endpoint['addr']}/metrics"
+    if endpoint.get("serving") is None:
+        return f"{endpoint['addr']}: not started yet"
+    return (f"not served: {endpoint['addr']}: {endpoint.get('error')} (another mount on this host? "
+            "give each mount its own --metrics-addr); the mount works without it")
+
+
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
@@ -277,8 +379,11 @@ def render(report: dict, width: int = 80):
     cache = report["cache"]
     summary.add_row("bucket", str(report["bucket_url"]))
     summary.add_row("cache", f"{report['cache_dir']}  gateway pid {report['gateway_pid'] or '-'}  "
-                             f"drain pid {report['drain_pid'] or '-'}  data path {report['data_path'] or '-'}  "
+                             f"data path {report['data_path'] or '-'}  "
                              f"requests via {report['fuse_transport'] or '-'}")
+    summary.add_row("drain", report["drain"]["summary"])
+    if report["metrics_endpoint"]:
+        summary.add_row("metrics", _metrics_line(report["metrics_endpoint"]))
     summary.add_row("backlog", f"{report['pending_files']} files, {human_bytes(report['pending_bytes'])}, "
                                f"{report['pending_deletes']} deletes; oldest waiting "
                                f"{_seconds(report['oldest_pending_age_seconds'])}")
