@@ -218,12 +218,17 @@ class DrainSupervisor:
             await trio.sleep(self._poll_seconds)
             if self.proc is None or self._stopping:
                 continue
-            if self.proc.poll() is None:
-                if self.tracker.running(ran_seconds=time.monotonic() - self._started):
-                    log.info("drain up for %.0fs again: the crash loop is over", time.monotonic() - self._started)
-                    await self._changed(state="running", crash_looping_since_ns=None)
-                continue
-            await self._restart_after_exit(self.proc)
+            try:
+                if self.proc.poll() is None:
+                    if self.tracker.running(ran_seconds=time.monotonic() - self._started):
+                        log.info("drain up for %.0fs again: the crash loop is over", time.monotonic() - self._started)
+                        await self._changed(state="running", crash_looping_since_ns=None)
+                    continue
+                await self._restart_after_exit(self.proc)
+            except Exception:
+                # (a failed fork, a status write that failed): the mount goes on serving, and
+                # the next poll tries again; the supervisor must never take the mount down.
+                log.exception("watching the drain failed; trying again")
 
     async def _restart_after_exit(self, proc: subprocess.Popen) -> None:
         now = time.monotonic()
