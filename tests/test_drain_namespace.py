@@ -116,11 +116,15 @@ def test_tmp_then_rename_while_the_drain_runs(denv):
             rec = RecStore(inner)
             rec_box.append(rec)
             drain = denv.make_drain(rec, settle_seconds=0.5)
+
+            async def write_then_let_the_drain_finish():
+                await trio.to_thread.run_sync(writer)
+                drain.until_empty = True  # (set earlier, a slow writer would find the drain gone)
+
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.to_thread.run_sync, writer)
-                await trio.sleep(0.05)
+                nursery.start_soon(write_then_let_the_drain_finish)
                 with trio.fail_after(20):
-                    await drain.run(until_empty=True)
+                    await drain.run()
 
     trio.run(main)
     rec = rec_box[0]
