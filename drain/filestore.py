@@ -33,9 +33,11 @@ Layout under the root directory ``D``:
 
 Path components starting with ``.ckptfs-`` are reserved for sidecars, temp
 files and uploads (never listed); a key using one, or with an empty, ``.`` or
-``..`` component, raises :class:`~drain.store.InvalidObjectNameError`. The one
-exception is the drain's ``.ckptfs-moving/<name>`` (``MOVING_PREFIX``): plain objects,
-listed only by a listing whose prefix starts with it.
+``..`` component, raises :class:`~drain.store.InvalidObjectNameError`. The exceptions
+are the drain's ``.ckptfs-moving/<name>`` (``MOVING_PREFIX``) and the in-flight records of
+cluster commit, ``.ckptfs-inflight/<dir>/.ckptfs-node-<node>-<run>-<seq>``
+(``fsmeta/cluster.py``): plain objects, listed only by a listing whose prefix starts with
+them.
 Limitation vs S3: a key cannot be both an object and a prefix (``a`` and
 ``a/b``): that raises ``StoreError(code="KeyConflict")``.
 
@@ -58,6 +60,8 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import blake3
 import trio
+
+from ckptfs.fsmeta.cluster import INFLIGHT_PREFIX, RECORD_LEAF_PREFIX
 
 from . import localio
 from .store import (
@@ -84,6 +88,14 @@ __all__ = ["FileStore"]
 RESERVED = ".ckptfs-"
 MULTIPART_DIR = ".ckptfs-multipart"
 SIDECAR_PREFIX = ".ckptfs-m"
+INFLIGHT_DIR = INFLIGHT_PREFIX.rstrip("/")  # in-flight records of cluster commit (fsmeta/cluster.py)
+
+
+def _inflight_component(comps: list[str], i: int) -> bool:
+    """``comps[i]`` is the records' reserved directory, or a record's name below it."""
+    if not comps or comps[0] != INFLIGHT_DIR:
+        return False
+    return i == 0 or (i == len(comps) - 1 and comps[i].startswith(RECORD_LEAF_PREFIX))
 SIDECAR_NAME_MAX = 255  # NAME_MAX of the filesystems a file:// bucket lives on
 MOVING_DIR = MOVING_PREFIX.rstrip("/")  # the one reserved directory that holds objects (the drain's)
 COPY_CHUNK = 4 << 20
@@ -188,7 +200,8 @@ class FileStore(ObjectStore):
                 raise InvalidObjectNameError(
                     f"object key {key!r} has an empty, '.' or '..' component (not representable in file://)", key=key
                 )
-            if c.startswith(RESERVED) and not (i == 0 and c == MOVING_DIR and len(comps) == 2):
+            if c.startswith(RESERVED) and not (i == 0 and c == MOVING_DIR and len(comps) == 2) \
+                    and not _inflight_component(comps, i):
                 raise InvalidObjectNameError(f"object key {key!r} uses the reserved name prefix {RESERVED!r}", key=key)
         return os.path.join(self.root, *comps)
 
@@ -424,7 +437,9 @@ class FileStore(ObjectStore):
         out = []
         base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = os.path.join(self.root, *base_rel.split("/")) if base_rel else self.root
-        if base_rel != MOVING_DIR and any(c.startswith(RESERVED) for c in base_rel.split("/") if c):
+        comps = [c for c in base_rel.split("/") if c]
+        if base_rel != MOVING_DIR and any(c.startswith(RESERVED) and not _inflight_component(comps, i)
+                                          for i, c in enumerate(comps)):
             return out  # (the drain's parked objects are listed only when asked for by name)
         if base_rel and prefix == base_rel + "/":
             # The marker of the prefix's own directory: as in S3, a key equal to the prefix is listed.
@@ -444,7 +459,8 @@ class FileStore(ObjectStore):
                 continue
             with it:
                 for e in it:
-                    if e.name.startswith(RESERVED):
+                    if e.name.startswith(RESERVED) and not (rel.startswith(INFLIGHT_DIR + "/")
+                                                            and e.name.startswith(RECORD_LEAF_PREFIX)):
                         continue
                     k = rel + e.name
                     try:

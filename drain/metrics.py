@@ -100,6 +100,14 @@ class DrainCollector(Collector):
         self.meta = meta
 
     def collect(self):
+        # A collector that raises turns the whole scrape into an HTTP 500: every other metric
+        # (the FUSE requests', the process's) would be lost with it. Log it, keep the rest.
+        try:
+            yield from self._collect()
+        except Exception:
+            log.exception("metrics: the cache and drain figures could not be read for this scrape")
+
+    def _collect(self):
         with self.meta.read() as txn:
             summary = durability.backlog_summary(txn)
             status = txn.get_drain_status() or {}
@@ -141,6 +149,13 @@ class DrainCollector(Collector):
                                 {"": histograms["time_to_durable_seconds"]}
                                 if "time_to_durable_seconds" in histograms else {})
         yield from _cache_families(self.cache, summary.bytes, space)
+        held = (status.get("held_markers") or {}).values()
+        yield GaugeMetricFamily("ckptfs_markers_held",
+                                "Commit markers waiting for other nodes' files of their checkpoint", value=len(held))
+        longest = max(((time.time_ns() - h.get("since_ns", time.time_ns())) / 1e9 for h in held), default=0.0)
+        yield GaugeMetricFamily("ckptfs_marker_held_longest_seconds",
+                                "Seconds the longest-held commit marker has waited for other nodes (0: none)",
+                                value=max(0.0, longest))
         yield GaugeMetricFamily("ckptfs_drain_status_age_seconds",
                                 "Seconds since the drain last published its status (a stuck or absent drain grows)",
                                 value=max(0.0, time.time() - now_s) if now_s else 0.0)

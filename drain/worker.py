@@ -36,6 +36,7 @@ from ckptfs.fsmeta.recovery import reconcile_cache_lengths
 from ckptfs.fsmeta.txn import Txn
 
 from . import schedule
+from .cluster import ClusterCommit
 from .isolation import KeyQuarantine, unexpected_code
 from .localio import SourceChangedError
 from .metrics import DURABLE_BUCKETS, REQUEST_BUCKETS, Histogram, TimedStore
@@ -84,6 +85,8 @@ STALE_SWEEP_SECONDS = 3600.0  # how often a long-running drain aborts stale mult
 CHANGED_BACKOFF = Backoff(0.5, 30.0)
 OSERROR_BACKOFF = Backoff(PERMANENT_RETRY_FIRST, PERMANENT_RETRY_SECONDS)
 WAIT_SOURCE_BACKOFF = Backoff(WAIT_SOURCE_SECONDS, 5.0)
+HELD_BY_NODES_BACKOFF = Backoff(0.5, 5.0)  # a marker waiting for other nodes' files: look again
+RECORD_SWEEP_SECONDS = 0.5  # how often this node's in-flight records of finished directories are deleted
 DELETE_ERROR_PREFIX = "delete "  # an error of a tombstone's delete in the status, by key
 
 
@@ -202,6 +205,9 @@ class Drain:
         self.unreadable: dict[str, str] = {}  # "<inode N>" or a tombstone's key -> code: the scan could not read it
         self.stats = DrainStats()
         self.store = TimedStore(store, self.stats.observe_request)
+        self.cluster = ClusterCommit(self.store, read=self._read, write=self._write)
+        self.next_record_sweep = 0.0
+        self.record_sweep_running = False
         self.idle_since: float | None = None
         self.until_empty = False
         self.buffers_released = False
@@ -362,9 +368,14 @@ class Drain:
                     (candidates, tombstones, self.lost, self.leaving_markers), scan_cpu = \
                         await self._read(self._timed_scan)
                     self._prune_errors(candidates, tombstones)
+                    if time.monotonic() >= self.next_record_sweep and not self.record_sweep_running:
+                        self.next_record_sweep = time.monotonic() + RECORD_SWEEP_SECONDS
+                        self.record_sweep_running = True
+                        nursery.start_soon(self._record_sweep_task)
                     if (self.until_empty and not tombstones and not self.busy
                             and all(c.lost or schedule.held_by_lost(c, candidates, self.markers)
-                                    for c in candidates)):
+                                    or c.path in self.cluster.held for c in candidates)
+                            and not await self.cluster.pending_removals()):
                         # Empty, but for files that lost their cache data (self.lost) and the
                         # markers that wait for them.
                         self.held = [c.path for c in candidates if not c.lost]
@@ -459,6 +470,7 @@ class Drain:
 
     async def _startup(self) -> None:
         await self._retry("check bucket access", lambda: self.store.check_access(write=True))
+        await self.cluster.start()
         if self.cache.gateway_pid() is None:
             # No gateway: nobody else reconciles cache files with fsmeta after a crash
             # (`ckptfs drain --until-empty` after a kill -9 or a power cut).
@@ -642,6 +654,15 @@ class Drain:
                     await self._move_marker_aside(marker)
                 self._requeue(job.ino, WAIT_SOURCE_BACKOFF)
                 return
+            marker_keys = [k for k in job.keys if schedule.is_marker(k, self.markers)]
+            if marker_keys:
+                # Cluster commit: the other nodes' files of this checkpoint go first.
+                holders = await self.cluster.holders(marker_keys)
+                if holders:
+                    self.cluster.note_held(marker_keys[0], holders)
+                    self._requeue(job.ino, HELD_BY_NODES_BACKOFF)
+                    return
+                self.cluster.note_released(marker_keys[0])
             primary = job.keys[0]
             await self._write(self._begin_writes, job)
             if job.durable_in_bucket:
@@ -1692,6 +1713,15 @@ class Drain:
         if len(keys) == 1:
             self.stats.errors[DELETE_ERROR_PREFIX + keys[0]] = code
 
+    async def _record_sweep_task(self) -> None:
+        try:
+            await self.cluster.remove_done()
+        except Exception:  # a failure here must not stop the uploads
+            log.exception("deleting this node's finished in-flight records failed; retried")
+            self.stats.unexpected_errors += 1
+        finally:
+            self.record_sweep_running = False
+
     async def _delete_batch(self, keys: list[str]) -> dict:
         failed = await self.store.delete_many(keys)
         retryable = [e for e in failed.values() if e.retryable]
@@ -1731,6 +1761,8 @@ class Drain:
             "retries_by_code": dict(s.retries_by_code),
             "errors_by_code": dict(s.errors_by_code),
             "unexpected_errors": s.unexpected_errors,
+            "node": self.cluster.node,
+            "held_markers": self.cluster.status(),
             "histograms": {
                 "upload_request_duration_seconds": {op: h.to_json() for op, h in s.request_seconds.items()},
                 "time_to_durable_seconds": s.time_to_durable.to_json(),

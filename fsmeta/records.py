@@ -242,3 +242,24 @@ class UploadRecord:
     @classmethod
     def from_bytes(cls, raw: bytes) -> "UploadRecord":
         return cls.from_dict(json.loads(bytes(raw)))
+
+
+class RecordState(enum.IntEnum):
+    PUBLISHING = 1  # the record is being put (or a put failed and is retried): not known in the bucket
+    PUBLISHED = 2  # in the bucket
+    REMOVING = 3  # the drain is deleting it
+
+
+@dataclass
+class InflightRecord:
+    seq: int
+    key: str
+    state: RecordState
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({**asdict(self), "state": int(self.state)}).encode()
+
+    @classmethod
+    def from_bytes(cls, raw) -> "InflightRecord":
+        d = json.loads(bytes(raw))
+        return cls(d["seq"], d["key"], RecordState(d["state"]))

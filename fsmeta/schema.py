@@ -13,6 +13,9 @@ database      key                             value
                                               reserved whose spare cache files
                                               (``data/<ino>``, no inode yet) may exist
                                               while it runs (gateway/spares.py)
+              ``b"node_id"``                  ascii hex: this cache's node id (made once;
+                                              names its in-flight records, cluster.py)
+              ``b"inflight_seq"``             u64: the last in-flight record number
               ``b"settings"``                 JSON: bucket URL and settings the cache
                                               belongs to (so ``ckptfs drain --cache-dir``
                                               needs nothing else)
@@ -80,6 +83,10 @@ database      key                             value
                                               the full key, for a long key only
 ``orphans``   ino                             empty: inode unlinked while open; its data
                                               is purged on ``forget`` or at next start
+``inflight``  directory ino                   JSON :class:`ckptfs.fsmeta.records.InflightRecord`
+                                              (seq, bucket key, state): this node's
+                                              in-flight record of the directory in the
+                                              bucket (fsmeta/cluster.py)
 ``errors``    ino                             utf-8: the last permanent upload error, or a
                                               read-path error of a REMOTE file
                                               (``RemoteHashMismatch``; ``user.ckptfs.state``
@@ -133,6 +140,7 @@ DB_NAMES = (
     b"tombstones",
     b"orphans",
     b"errors",
+    b"inflight",
 )
 
 ROOT_INO = 1

@@ -57,6 +57,7 @@ DEFAULT_CACHE_MAX_SIZE = "90%"
 DEFAULT_HIGH_WATERMARK = 0.9
 DEFAULT_LOW_WATERMARK = 0.8
 DEFAULT_BACKPRESSURE_TIMEOUT = 600.0
+DEFAULT_PUBLISH_TIMEOUT = 30.0  # [cluster] publish_timeout (fsmeta/cluster.py)
 
 
 class ConfigError(ValueError):
@@ -237,6 +238,9 @@ class Settings:
     read_part_size: int = 8 * MIB  # largest ranged GET
     read_max_readahead: int = 256 * MIB  # largest read-ahead window of a sequential reader
     read_concurrency: int = 16  # ranged GETs in flight, whole gateway
+    # cluster commit (fsmeta/cluster.py): how long a request waits for its in-flight record to
+    # be put in the bucket before it is acknowledged anyway (the gap is reported)
+    publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
     # raw [lifecycle] table, validated by lifecycle.rules
     lifecycle: dict = field(default_factory=dict)
 
@@ -305,6 +309,9 @@ class Settings:
         timeout = self.backpressure_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise ConfigError(f"cache.backpressure_timeout: must be seconds in (0, 86400], got {timeout!r}")
+        timeout = self.publish_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ConfigError(f"cluster.publish_timeout: must be seconds in [0, 86400], got {timeout!r}")
         return self
 
     def watermarks(self) -> tuple[float, float]:
@@ -345,6 +352,9 @@ _TOML_KEYS = {
         "checksum": "checksum",
         "sign_payload": "sign_payload",
     },
+    "cluster": {
+        "publish_timeout": "publish_timeout",
+    },
     "read": {
         "part_size": "read_part_size",
         "max_readahead": "read_max_readahead",
@@ -360,6 +370,7 @@ _TYPES = {
     "cache_max_size": (str, int), "cache_high_watermark": (int, float, str), "cache_low_watermark": (int, float, str),
     "backpressure_timeout": (int, float),
     "read_part_size": (str, int), "read_max_readahead": (str, int), "read_concurrency": int,
+    "publish_timeout": (int, float),
 }
 
 
@@ -386,7 +397,7 @@ def load_toml(path: str) -> dict:
         if isinstance(value, dict):
             table = _TOML_KEYS.get(key)
             if table is None or key == "":
-                raise ConfigError(f"{key}: unknown table (known: mount, cache, drain, read, lifecycle)")
+                raise ConfigError(f"{key}: unknown table (known: mount, cache, drain, read, cluster, lifecycle)")
             for sub, subvalue in value.items():
                 name = f"{key}.{sub}"
                 if sub not in table:

@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import lmdb
 
@@ -297,6 +297,18 @@ class _GroupedWrite:
         return self.result
 
 
+class WriteGuard(Protocol):
+    """Sees every write of a process (the gateway's in-flight records, fsmeta/cluster.py)."""
+
+    def in_txn(self, txn: Txn) -> object:
+        """At the end of the write's transaction, in it (may write; may raise to abort the
+        write). Returns a token for :meth:`after`, or a false value for nothing to do."""
+
+    def after(self, token: object) -> None:
+        """Once the write returned, outside every lock and transaction, in the writer's
+        thread (network requests are allowed here)."""
+
+
 class MetaStore:
     def __init__(self, path: str, *, map_size: int = DEFAULT_MAP_SIZE, create: bool = True):
         self.path = path
@@ -321,6 +333,8 @@ class MetaStore:
             self.env.close()
             raise RuntimeError(f"fsmeta needs LMDB keys of {schema.LMDB_KEY_MAX} bytes; this py-lmdb allows {max_key}")
         self._gate = _TxnGate()
+        self.write_guard: WriteGuard | None = None
+        self._guard_due = threading.local()  # tokens of nested writes, acted on at the outermost
         # Deferred commits (defer_commits): the open batch and who uses it.
         self._committer: _Committer | None = None
         self._batch: lmdb.Transaction | None = None
@@ -406,8 +420,29 @@ class MetaStore:
 
         ``fn`` may raise to abort; it may be run more than once. With deferred commits,
         ``fn`` runs in a nested transaction of the open batch, and the commit happens
-        later (see the module docstring).
+        later (see the module docstring). A :attr:`write_guard` sees the end of each write's
+        transaction and acts once the write returned (:class:`WriteGuard`).
         """
+        guard = self.write_guard
+        if guard is None:
+            return self._write(fn)
+        seen = []
+
+        def guarded(txn: Txn) -> T:
+            result = fn(txn)
+            seen[:] = [guard.in_txn(txn)]  # (fn may run more than once: the last run counts)
+            return result
+
+        result = self._write(guarded)
+        if seen and seen[0]:
+            self._guard_due.__dict__.setdefault("items", []).append(seen[0])
+        if getattr(self._batch_depth, "n", 0) == 0 and getattr(self._guard_due, "items", None):
+            due, self._guard_due.items = self._guard_due.items, []
+            for token in due:
+                guard.after(token)
+        return result
+
+    def _write(self, fn: Callable[[Txn], T]) -> T:
         if time.monotonic() >= self._next_reader_check:
             self._next_reader_check = time.monotonic() + READER_CHECK_SECONDS
             self.env.reader_check()

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import lmdb
 
 from . import schema
-from .records import FileState, Inode, PendingRecord, RemoteRecord, UploadRecord
+from .records import FileState, InflightRecord, Inode, PendingRecord, RemoteRecord, UploadRecord
 
 
 Unreadable = Callable[[object, Exception], None]  # (its key: ino or bucket key, exception) of a record that does not decode
@@ -39,6 +39,7 @@ class Txn:
         self.dbs = dbs
         self.writable = write
         self.removed_names = False  # by this transaction: what it reads may yet be aborted
+        self.queued: list[int] = []  # inodes this transaction put on the drain's queue (fsmeta/cluster.py)
 
     # -- generic -------------------------------------------------------------------
 
@@ -68,6 +69,34 @@ class Txn:
 
     def put_settings(self, settings: dict) -> None:
         self._put("meta", b"settings", json.dumps(settings, sort_keys=True).encode())
+
+    def get_node_id(self) -> str | None:
+        raw = self._get("meta", b"node_id")
+        return bytes(raw).decode() if raw is not None else None
+
+    def put_node_id(self, node: str) -> None:
+        self._put("meta", b"node_id", node.encode())
+
+    def next_inflight_seq(self) -> int:
+        raw = self._get("meta", b"inflight_seq")
+        seq = (schema.unpack_u64(raw) if raw is not None else 0) + 1
+        self._put("meta", b"inflight_seq", schema.pack_u64(seq))
+        return seq
+
+    def get_inflight(self, dir_ino: int) -> InflightRecord | None:
+        raw = self._get("inflight", schema.ino_key(dir_ino))
+        return InflightRecord.from_bytes(raw) if raw is not None else None
+
+    def put_inflight(self, dir_ino: int, rec: InflightRecord) -> None:
+        self._put("inflight", schema.ino_key(dir_ino), rec.to_bytes())
+
+    def delete_inflight(self, dir_ino: int) -> None:
+        self._delete("inflight", schema.ino_key(dir_ino))
+
+    def iter_inflight(self) -> Iterator[tuple[int, InflightRecord]]:
+        cursor = self.raw.cursor(db=self.dbs["inflight"])
+        for key, value in cursor:
+            yield schema.key_ino(key), InflightRecord.from_bytes(value)
 
     def get_drain_status(self) -> dict | None:
         raw = self._get("meta", b"drain_status")
@@ -286,6 +315,7 @@ class Txn:
 
     def put_pending(self, ino: int, rec: PendingRecord) -> None:
         self._put("pending", schema.ino_key(ino), rec.to_bytes())
+        self.queued.append(ino)
 
     def clear_pending(self, ino: int) -> None:
         self._delete("pending", schema.ino_key(ino))

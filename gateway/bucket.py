@@ -100,6 +100,10 @@ class BucketClient:
 
     # -- calls -----------------------------------------------------------------------
 
+    def in_its_thread(self) -> bool:
+        """Whether the caller is the client's own loop (which must not wait for itself)."""
+        return threading.current_thread() is self._thread
+
     @property
     def url(self) -> str:
         return self._need_store().url

@@ -34,6 +34,7 @@ from ckptfs.fsmeta.settings import ConfigError, Settings, parse_bucket_url
 
 from . import datapath, metrics, passthrough, space
 from .bucket import BucketClient
+from .records import Records
 from .core import FsCore
 from .fetch import ReadSettings
 from .fuse_ops import CkptOperations
@@ -55,6 +56,7 @@ READ_AHEAD_KB = 4096
 #: threads of the FUSE front end: requests may wait long (a fetch, room in the cache), and a
 #: request that finds no idle thread starts another, up to this many
 FUSE_THREADS = 64
+RECORD_RETRY_SECONDS = 2.0  # how often in-flight records still to put are tried again
 
 
 _MOUNTINFO_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes space, tab, newline, \ as \ooo
@@ -329,6 +331,13 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
     # Namespace operations join a batch committed every few milliseconds instead of one
     # synced commit each; fsync/fsyncdir commit and sync at once (docs/DESIGN.md).
     meta.defer_commits(COMMIT_INTERVAL_SECONDS)
+    # Cluster commit: this node's in-flight records go into the bucket from the write path.
+    records = Records(meta, bucket, markers=settings.markers, publish_timeout=float(settings.publish_timeout))
+    try:
+        records.sweep_orphans()
+    except Exception as exc:  # the next start tries again; the mount does not depend on it
+        log.warning("could not look for in-flight records an earlier run left: %s", exc)
+    records.install()
     limits = space.SpaceLimits.from_settings(settings, settings.cache_dir)
     core.enable_space(limits, markers=settings.markers)
     core.enable_spares()
@@ -436,6 +445,7 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
             nursery.start_soon(supervisor.watch)
             nursery.start_soon(sweep_mapped)
             nursery.start_soon(manage_space)
+            nursery.start_soon(publish_records)
             # The front end's threads serve requests until the file system is unmounted or a
             # signal ends them. If this task is cancelled, they are told to end; the session is
             # destroyed only once they have (Session.destroy waits for them).
@@ -457,6 +467,21 @@ def run_foreground(settings: Settings, mountpoint: str, ready_fd: int | None = N
                     continue
                 if n:
                     log.info("%d closed file(s) changed through a shared mapping: new generation", n)
+
+    published_state: dict = {"unpublished": 0, "failed_puts": 0}
+
+    async def publish_records() -> None:
+        # In-flight records whose put ran out of time in a request, or a crashed run's.
+        while True:
+            await trio.sleep(RECORD_RETRY_SECONDS)
+            try:
+                left = await trio.to_thread.run_sync(records.retry_unpublished)
+                shown = {"unpublished": left, "failed_puts": records.failed}
+                if shown != published_state:
+                    published_state.update(shown)
+                    await trio.to_thread.run_sync(lambda: gateway_status.update(records=dict(shown)))
+            except Exception:
+                log.exception("putting in-flight records failed")
 
     async def manage_space() -> None:
         # The cache cap: measure, evict clean files, wake writers waiting for room, publish.

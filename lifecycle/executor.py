@@ -56,7 +56,7 @@ from ckptfs.drain.store import (
     StoreError,
     collapse_exception_group,
 )
-from ckptfs.fsmeta import durability
+from ckptfs.fsmeta import cluster, durability
 from ckptfs.fsmeta.layout import CacheDir
 from ckptfs.fsmeta.settings import parse_store_url
 
@@ -141,12 +141,24 @@ async def read_pending(pending: PendingSource | None) -> frozenset[str]:
     return frozenset(await trio.to_thread.run_sync(lambda: list(pending())))
 
 
+async def read_in_flight(store) -> frozenset[str]:
+    """The directories (``dir/``) that some node's cache holds files of that the bucket lacks:
+    its in-flight records of cluster commit (fsmeta/cluster.py). A checkpoint there is being
+    written, whatever its marker says: never tiered or deleted."""
+    out = set()
+    for obj in (await store.list(cluster.INFLIGHT_PREFIX)).objects:
+        parsed = cluster.parse_record_key(obj.key)
+        if parsed is not None:
+            out.add(parsed[0] + "/" if parsed[0] else "")
+    return frozenset(out)
+
+
 async def gather_inputs(
     store, rules: LifecycleRules, now: datetime, *, pending: PendingSource | None = None, fetch_tags: bool = True
 ) -> Inputs:
     """List the store, read pins and local pending keys, and plan."""
     listing, pins = await list_bucket(store, fetch_tags=fetch_tags)
-    pending_keys = await read_pending(pending)
+    pending_keys = await read_pending(pending) | await read_in_flight(store)
     the_plan = plan(listing, rules, pins, now, pending_keys)
     return Inputs(tuple(listing), tuple(pins), pending_keys, the_plan)
 
@@ -484,7 +496,7 @@ async def execute(
         pins_now = await read_pins(store)
     except StoreError as exc:
         return ApplyReport(the_plan, "direct" if direct else "bucket-lifecycle", "not-used", [], [f"reading pins: {exc}"])
-    pending_now = await read_pending(pending)
+    pending_now = await read_pending(pending) | await read_in_flight(store)
     replanned = {e.path: e for e in plan(inputs.listing, rules, pins_now, the_plan.now, pending_now).checkpoints}
 
     mode = "direct" if direct else "bucket-lifecycle"
@@ -522,12 +534,11 @@ async def execute(
             result.status, result.detail = SKIPPED, f"changed since planning ({why})"
             log.warning("%s: skipped, %s", entry.path, result.detail)
             continue
-        if pending is not None:
-            fresh = await read_pending(pending)
-            if any(_pending_covers(p.lstrip("/"), entry.path) for p in fresh):
-                result.status, result.detail = SKIPPED, "became pending in the local cache"
-                log.warning("%s: skipped, %s", entry.path, result.detail)
-                continue
+        fresh = await read_pending(pending) | await read_in_flight(store)
+        if any(_pending_covers(p.lstrip("/"), entry.path) for p in fresh):
+            result.status, result.detail = SKIPPED, "became pending in a node's cache"
+            log.warning("%s: skipped, %s", entry.path, result.detail)
+            continue
         try:
             if entry.action == DELETE:
                 await _delete(store, entry, result)

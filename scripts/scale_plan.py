@@ -72,6 +72,11 @@ def plan(a: argparse.Namespace) -> list[str]:
     max_object_at_part = part * S3_MAX_PARTS
     list_steady = a.nodes * a.dirs_watched / a.ttl_s
     list_resume = a.nodes * math.ceil(ranks / S3_LIST_PAGE)  # every node lists the checkpoint once
+    # Cluster commit: one in-flight record (PUT + DELETE) per node per checkpoint directory, and
+    # the marker's LIST of them (one page each look, a few looks while the last node drains).
+    record_requests = 2 * a.nodes
+    record_rate = record_requests / burst_s
+    record_pages = math.ceil(a.nodes / S3_LIST_PAGE)
     per_month = 30 * 24 * 3600 / a.interval_s
     objects_month = objects * per_month
     tag_cost = objects_month * PRICE_PUT_PER_1000 / 1000
@@ -146,6 +151,16 @@ def plan(a: argparse.Namespace) -> list[str]:
         f"every node once: {f(list_resume)} LIST pages of {S3_LIST_PAGE} keys in a burst, then ranged GETs. "
         "Negative lookups are cached, so a DCP load's misses do not add listings. A longer TTL lowers "
         "the steady rate in proportion, at the cost of seeing other nodes' files later.",
+        "",
+        "## In-flight records of cluster commit",
+        "",
+        f"Each node puts one record of the checkpoint's directory before its first shard there and deletes "
+        f"it once its shards are in: {f(record_requests)} requests per checkpoint, {f(record_rate)} per "
+        f"second over the save ({f(100 * record_rate / S3_WRITE_PER_PREFIX, 1)}% of a prefix's write limit; "
+        "the records live under their own prefix, `.ckptfs-inflight/`). The marker's drain lists the "
+        f"records below its directory before it goes: {record_pages} LIST page(s) per look, a look every "
+        "0.5 to 5 s while other nodes still drain. The write path pays one round trip at the first "
+        "create in the directory on each node, and nothing per file.",
         "",
         "## Drain time per node",
         "",

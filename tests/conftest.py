@@ -512,6 +512,17 @@ def tree(root: Path) -> dict:
     return out
 
 
+def poll(what: str, check, timeout: float = 30.0, interval: float = 0.05):
+    """Call ``check`` until it returns a true value, and return it; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(interval)
+
+
 def fs_errno(fn, *args) -> int | None:
     """The errno of the FsError ``fn(*args)`` raises (None if it succeeds): the core's answer."""
     try:

@@ -7,10 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
+import conftest
 from conftest import Gateway, ckptfs_cmd
 
 from ckptfs.fsmeta.layout import CacheDir
@@ -32,13 +32,7 @@ def status_json(gw: Gateway) -> dict:
 
 
 def poll(what: str, check, timeout: float = 90.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(interval)
+    return conftest.poll(what, check, timeout, interval)
 
 
 def test_a_drain_that_dies_at_every_start_shows_crash_looping_in_status_and_metrics(gateway_factory):

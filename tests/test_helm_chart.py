@@ -59,6 +59,10 @@ METRIC_CONTRACT = {
     "ckptfs_fuse_request_duration_seconds": "histogram",
     "ckptfs_drain_restarts_total": "counter",
     "ckptfs_drain_crash_looping": "gauge",
+    "ckptfs_markers_held": "gauge",
+    "ckptfs_marker_held_longest_seconds": "gauge",
+    "ckptfs_inflight_publish_failures_total": "counter",
+    "ckptfs_inflight_records_published_total": "counter",
 }
 
 # The settings ckptfs accepts in its TOML file (it refuses any other key); the chart renders a subset.
@@ -202,7 +206,7 @@ def test_crd_objects_render_only_when_enabled_and_are_well_formed(helm, tmp_path
     assert groups and all(g["name"] and g["rules"] for g in groups)
     alerts = {r["alert"]: r for g in groups for r in g["rules"]}
     assert set(alerts) == {"CkptfsOldestDirtyTooOld", "CkptfsPermanentUploadErrors", "CkptfsBackpressure",
-                           "CkptfsCacheNearCap", "CkptfsDrainCrashLooping"}
+                           "CkptfsCacheNearCap", "CkptfsDrainCrashLooping", "CkptfsMarkerHeldByOtherNodes"}
     for r in alerts.values():
         assert isinstance(r["expr"], str) and r["expr"].strip()
         assert r["labels"]["severity"] in {"warning", "critical"}
@@ -211,13 +215,14 @@ def test_crd_objects_render_only_when_enabled_and_are_well_formed(helm, tmp_path
 
 def test_alert_thresholds_come_from_values(helm, tmp_path):
     docs = render(helm, tmp_path, {"metrics": {"prometheusRule": {
-        "enabled": True, "oldestDirtyAgeSeconds": 4321, "cacheUsageRatio": 0.85}}})
+        "enabled": True, "oldestDirtyAgeSeconds": 4321, "cacheUsageRatio": 0.85, "markerHeldSeconds": 777}}})
     alerts = {r["alert"]: r["expr"] for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
     assert re.search(r"ckptfs_oldest_dirty_age_seconds.*>\s*4321\b", alerts["CkptfsOldestDirtyTooOld"])
     assert re.search(r"ckptfs_cache_max_bytes.*>\s*0\.85\b", alerts["CkptfsCacheNearCap"], re.S)
     assert re.search(r"ckptfs_files_in_error.*>\s*0\b", alerts["CkptfsPermanentUploadErrors"])
     assert re.search(r"ckptfs_backpressure_waiting_writers.*>\s*0\b", alerts["CkptfsBackpressure"])
     assert re.search(r"ckptfs_drain_crash_looping.*>\s*0\b", alerts["CkptfsDrainCrashLooping"])
+    assert re.search(r"ckptfs_marker_held_longest_seconds.*>\s*777\b", alerts["CkptfsMarkerHeldByOtherNodes"])
 
 
 # ---------------------------------------------------------------- the gateway DaemonSet

@@ -536,3 +536,24 @@ def test_directory_placeholders_are_not_moved(store):
     assert "run1/step_100/" not in entry.transition_keys  # a dir/ marker holds no data: never planned
     assert report.ok and report.result_for("run1/step_100").copied == 3  # 2 shards + the marker file
     assert run(store.head, "run1/step_100/shard0").storage_class == "COLD"
+
+
+def test_a_checkpoint_another_node_still_writes_is_never_deleted_nor_the_last_complete_one(store):
+    """The issue's case: node A's marker is out, node B still holds a shard. With cluster
+    commit A's marker is held, so the new checkpoint is incomplete in the bucket, and B's
+    in-flight record keeps it from being deleted as incomplete, however old."""
+    make_checkpoints(store, [(100, 10)])
+    make_checkpoints(store, [(200, 9)], marker=False)  # B's shard still on B: marker held on A
+    put(store, ".ckptfs-inflight/run1/step_200/.ckptfs-node-00000000000000bb-0000abcd-3", b"{}", 9)
+    rules = LifecycleRules(checkpoints=("step_{step}",), markers=(".metadata",), keep_latest=1,
+                           expire_after_days=1, incomplete_grace_hours=1)
+    inputs, report = run(lambda: plan_and_execute(store, rules=rules))
+    entries = {e.path: e for e in inputs.plan.checkpoints}
+    assert entries["run1/step_100"].action == KEEP  # the newest complete one
+    assert entries["run1/step_200"].action == KEEP and "pending-upload" in entries["run1/step_200"].reasons
+    assert run(store.head, "run1/step_200/shard0") is not None
+    assert report.ok
+    # Once B's record is gone, nothing in flight protects it any more.
+    os.unlink(os.path.join(store.root, ".ckptfs-inflight/run1/step_200/.ckptfs-node-00000000000000bb-0000abcd-3"))
+    inputs = run(gather_inputs, store, rules, NOW)
+    assert "pending-upload" not in {e.path: e for e in inputs.plan.checkpoints}["run1/step_200"].reasons

@@ -29,6 +29,12 @@ field                               meaning
 ``errors``                          path -> permanent error code; also ``delete KEY`` -> the
                                     code of a failed delete, and records the drain could not
                                     read (``<inode N>``)
+``node``                            this cache's node id (it names the node's in-flight records)
+``records``                         with a live gateway: ``unpublished`` (in-flight records it
+                                    could not put yet, retried) and ``failed_puts`` (puts that
+                                    ran out of ``publish_timeout`` since the mount)
+``held_markers``                    marker path -> ``nodes`` (the other nodes whose files of the
+                                    checkpoint are not in the bucket yet) and ``since_ns``
 ``unexpected_errors``               unforeseen exceptions the drain caught around one file or
                                     key since it started (each also logged with its traceback)
 ``retrying``                        operation -> retry state, for retryable errors
@@ -76,11 +82,46 @@ DEFAULT_CHECKPOINT_PATTERNS = ("step_{step}", "step-{step}", "checkpoint-{step}"
                                "iter_{step}", "global_step{step}")
 
 
+class OtherNodes:
+    """The other nodes' in-flight records under a path (one LIST of the bucket per look)."""
+
+    def __init__(self, meta, rel: str):
+        from ckptfs.fsmeta.settings import Settings
+
+        with meta.read() as txn:
+            self.settings = Settings.from_json(txn.get_settings() or {})
+            self.node = txn.get_node_id()
+        self.rel = rel
+        self.next_look = 0.0
+        self.nodes: list[str] = []
+
+    def holding(self, every: float = 1.0) -> list[str]:
+        if time.monotonic() >= self.next_look:
+            import trio
+
+            from ckptfs.drain.cluster import other_nodes_under
+            from ckptfs.drain.factory import open_store_for
+
+            async def look() -> list[str]:
+                async with open_store_for(self.settings) as store:
+                    return await other_nodes_under(store, self.rel, self.node)
+
+            try:
+                self.nodes = trio.run(look)
+            except Exception as exc:  # unknown is not "none": keep waiting, and say why
+                self.nodes = [f"(the bucket's records cannot be listed: {type(exc).__name__})"]
+            self.next_look = time.monotonic() + every
+        return self.nodes
+
+
 def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool = False,
-                 out=sys.stderr, interval: float = 0.2) -> bool:
-    """Block until everything at or under ``path`` is durable; False on timeout (pending printed)."""
+                 out=sys.stderr, interval: float = 0.2, local: bool = False) -> bool:
+    """Block until everything at or under ``path`` is durable, on this node and (unless
+    ``local``) on every other node that holds files there; False on timeout (pending printed)."""
     root, cache_dir, rel = find_mount(path)
     meta = CacheDir(cache_dir).open_meta()
+    others = None if local else OtherNodes(meta, rel)
+    waiting_for: list[str] = []
     console = Console(file=out)
     progress = Progress(TextColumn("waiting for the bucket"), BarColumn(), DownloadColumn(),
                         TextColumn("{task.fields[files]} files, {task.fields[deletes]} deletes"),
@@ -96,7 +137,9 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
                 with meta.read() as txn:
                     backlog = durability.pending_under(txn, rel)
                 if backlog.empty:
-                    return True
+                    waiting_for = others.holding() if others is not None else []
+                    if not waiting_for:
+                        return True
                 for p, error in backlog.errors.items():
                     if p not in warned:
                         warned.add(p)
@@ -115,6 +158,8 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
                     break
                 time.sleep(interval)
         out.write(f"ckptfs: {'timed out; ' if not lost else ''}still pending under {path}:\n")
+        for node in waiting_for:
+            out.write(f"  {'node':10} {'':>10}  {node} (its files there are not in the bucket yet)\n")
         for p, size, state in backlog.files[:50]:
             out.write(f"  {state:10} {human_bytes(size):>10}  {p}\n")
         for key in backlog.deletes[:50]:
@@ -129,7 +174,7 @@ def wait_durable(path: str, *, timeout: float | None = None, show_progress: bool
 
 def cmd_wait_durable(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        ok = wait_durable(args.path, timeout=args.timeout, show_progress=sys.stderr.isatty())
+        ok = wait_durable(args.path, timeout=args.timeout, show_progress=sys.stderr.isatty(), local=args.local)
     except NotOnMount as exc:
         print(f"ckptfs: {exc}", file=sys.stderr)
         return 2
@@ -216,6 +261,7 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
             gateway = txn.get_gateway_status() or {}
             space = txn.get_space_status() or {}
             settings = txn.get_settings() or {}
+            node = txn.get_node_id()
             files = durability.file_states(txn) if by_checkpoint else []
     finally:
         meta.close()
@@ -233,6 +279,7 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "drain_pid": drain_pid,
         "drain": drain_health(gateway, gateway_pid, drain_pid, now),
         "metrics_endpoint": metrics_endpoint(gateway, gateway_pid),
+        "records": (gateway.get("records") or {"unpublished": 0, "failed_puts": 0}) if gateway_pid else None,
         "pending_files": len(backlog.files),
         "pending_bytes": backlog.bytes,
         "pending_deletes": len(backlog.deletes),
@@ -240,6 +287,8 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
         "upload_rate_bytes_per_second": drain.get("upload_rate_bytes_per_second"),
         "errors": {**_drain_errors_under(drain, rel), **backlog.errors},
         "unexpected_errors": drain.get("unexpected_errors", 0),
+        "node": node,
+        "held_markers": drain.get("held_markers", {}) if report_drain_live(drain) else {},
         "retrying": drain.get("retrying", {}),
         "uploaded_bytes": drain.get("uploaded_bytes", 0),
         "uploaded_files": drain.get("uploaded_files", 0),
@@ -252,6 +301,12 @@ def collect(cache: CacheDir, rel: str, *, by_checkpoint: bool) -> dict:
                                rate=report["upload_rate_bytes_per_second"])
         report["checkpoints"] = [r for r in rows if not rel or r["path"] == rel or r["path"].startswith(prefix)]
     return report
+
+
+def report_drain_live(drain: dict) -> bool:
+    """The drain status is of a drain that still runs (a stopped one's held markers are old)."""
+    pid = drain.get("pid")
+    return bool(pid) and _process_alive(pid)
 
 
 def _drain_errors_under(drain: dict, rel: str) -> dict:
@@ -384,6 +439,9 @@ def render(report: dict, width: int = 80):
     summary.add_row("drain", report["drain"]["summary"])
     if report["metrics_endpoint"]:
         summary.add_row("metrics", _metrics_line(report["metrics_endpoint"]))
+    if report["records"] and report["records"]["unpublished"]:
+        summary.add_row("records", f"{report['records']['unpublished']} in-flight record(s) not in the bucket yet "
+                                   "(retrying): other nodes' markers may not wait for this node's files there")
     summary.add_row("backlog", f"{report['pending_files']} files, {human_bytes(report['pending_bytes'])}, "
                                f"{report['pending_deletes']} deletes; oldest waiting "
                                f"{_seconds(report['oldest_pending_age_seconds'])}")
@@ -407,6 +465,9 @@ def render(report: dict, width: int = 80):
         summary.add_row("retrying", f"{what}: {msg}")
     for path, err in report["errors"].items():
         summary.add_row("error", f"{path}: {err}")
+    for path, held in report["held_markers"].items():
+        summary.add_row("held", f"{path}: waits for node(s) {', '.join(held['nodes'])} "
+                                f"(since {_seconds((time.time_ns() - held['since_ns']) / 1e9)} ago)")
     if "checkpoints" in report:
         summary.add_row("columns", "DIRTY/UPL/DONE/ERR: files not sent, being sent, in the bucket, failing; "
                                    "WAIT: oldest pending; ETA: at the current rate")
@@ -471,6 +532,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("wait-durable", help="block until everything under PATH is durable in the bucket")
     p.add_argument("path")
     p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--local", action="store_true",
+                   help="wait for this node's files only, not for the other nodes' files under PATH")
     p.set_defaults(func=cmd_wait_durable)
 
     p = sub.add_parser("status", help="drain backlog, errors and cache use of a mount or cache directory")
