@@ -153,6 +153,9 @@ class DrainCollector(Collector):
         yield GaugeMetricFamily("ckptfs_markers_held",
                                 "Commit markers waiting for other nodes' files of their checkpoint", value=len(held))
         longest = max(((time.time_ns() - h.get("since_ns", time.time_ns())) / 1e9 for h in held), default=0.0)
+        yield GaugeMetricFamily("ckptfs_nodes_lost",
+                                "Other nodes holding a marker back with no heartbeat for node_timeout",
+                                value=len({n for h in held for n in (h.get("lost") or {})}))
         yield GaugeMetricFamily("ckptfs_marker_held_longest_seconds",
                                 "Seconds the longest-held commit marker has waited for other nodes (0: none)",
                                 value=max(0.0, longest))

@@ -205,7 +205,8 @@ class Drain:
         self.unreadable: dict[str, str] = {}  # "<inode N>" or a tombstone's key -> code: the scan could not read it
         self.stats = DrainStats()
         self.store = TimedStore(store, self.stats.observe_request)
-        self.cluster = ClusterCommit(self.store, read=self._read, write=self._write)
+        self.cluster = ClusterCommit(self.store, read=self._read, write=self._write,
+                                     node_timeout=float(settings.node_timeout))
         self.next_record_sweep = 0.0
         self.record_sweep_running = False
         self.idle_since: float | None = None
@@ -659,7 +660,7 @@ class Drain:
                 # Cluster commit: the other nodes' files of this checkpoint go first.
                 holders = await self.cluster.holders(marker_keys)
                 if holders:
-                    self.cluster.note_held(marker_keys[0], holders)
+                    self.cluster.note_held(marker_keys[0], sorted(holders), await self.cluster.lost(holders))
                     self._requeue(job.ino, HELD_BY_NODES_BACKOFF)
                     return
                 self.cluster.note_released(marker_keys[0])
@@ -1716,6 +1717,7 @@ class Drain:
     async def _record_sweep_task(self) -> None:
         try:
             await self.cluster.remove_done()
+            await self.cluster.beat()
         except Exception:  # a failure here must not stop the uploads
             log.exception("deleting this node's finished in-flight records failed; retried")
             self.stats.unexpected_errors += 1

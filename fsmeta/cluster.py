@@ -23,7 +23,10 @@ Each publication has its own key (``seq``), so a delete in flight never removes 
 record of the same directory. Markers themselves publish no record: two markers of one
 directory never wait for each other (the one-node rule), here across nodes.
 
-The node is its cache: ``node_id`` is made once per cache directory. ``run`` names one
+The node is its cache: ``node_id`` is made once per cache directory. While it holds records,
+its drain puts ``.ckptfs-inflight/.ckptfs-node-<node>-heartbeat`` every ``node_timeout / 4``;
+a node whose records hold a marker and whose heartbeat is older than ``node_timeout`` shows
+as lost (its records still hold the marker: its part of the checkpoint is nowhere else). ``run`` names one
 gateway run, so that a record a crashed run put but never committed (the put happens
 before the batch that recorded it commits) is found and deleted at the next start.
 """
@@ -71,6 +74,11 @@ def record_key(dir_path: str, node: str, run: str, seq: int) -> str:
         if len(key.encode()) <= KEY_MAX or not path:
             return key
         path = posixpath.dirname(path)
+
+
+def heartbeat_key(node: str) -> str:
+    """Where a node that holds records says it is alive (its LastModified is the beat)."""
+    return f"{INFLIGHT_PREFIX}{RECORD_LEAF_PREFIX}{node}-heartbeat"
 
 
 def parse_record_key(key: str) -> tuple[str, str, str, int] | None:

@@ -58,6 +58,7 @@ DEFAULT_HIGH_WATERMARK = 0.9
 DEFAULT_LOW_WATERMARK = 0.8
 DEFAULT_BACKPRESSURE_TIMEOUT = 600.0
 DEFAULT_PUBLISH_TIMEOUT = 30.0  # [cluster] publish_timeout (fsmeta/cluster.py)
+DEFAULT_NODE_TIMEOUT = 300.0  # [cluster] node_timeout
 
 
 class ConfigError(ValueError):
@@ -241,6 +242,8 @@ class Settings:
     # cluster commit (fsmeta/cluster.py): how long a request waits for its in-flight record to
     # be put in the bucket before it is acknowledged anyway (the gap is reported)
     publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT
+    # seconds without a heartbeat after which a node holding a marker back shows as lost
+    node_timeout: float = DEFAULT_NODE_TIMEOUT
     # raw [lifecycle] table, validated by lifecycle.rules
     lifecycle: dict = field(default_factory=dict)
 
@@ -312,6 +315,9 @@ class Settings:
         timeout = self.publish_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
             raise ConfigError(f"cluster.publish_timeout: must be seconds in [0, 86400], got {timeout!r}")
+        timeout = self.node_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 4 <= timeout <= 7 * 86400:
+            raise ConfigError(f"cluster.node_timeout: must be seconds in [4, 604800], got {timeout!r}")
         return self
 
     def watermarks(self) -> tuple[float, float]:
@@ -354,6 +360,7 @@ _TOML_KEYS = {
     },
     "cluster": {
         "publish_timeout": "publish_timeout",
+        "node_timeout": "node_timeout",
     },
     "read": {
         "part_size": "read_part_size",
@@ -370,7 +377,7 @@ _TYPES = {
     "cache_max_size": (str, int), "cache_high_watermark": (int, float, str), "cache_low_watermark": (int, float, str),
     "backpressure_timeout": (int, float),
     "read_part_size": (str, int), "read_max_readahead": (str, int), "read_concurrency": int,
-    "publish_timeout": (int, float),
+    "publish_timeout": (int, float), "node_timeout": (int, float),
 }
 
 

@@ -4,7 +4,11 @@ markers for them and deletes them (drain/cluster.py)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
+import trio
 
 from ckptfs.drain.factory import open_store
 from ckptfs.fsmeta import cluster
@@ -28,7 +32,8 @@ def records(denv):
 def bucket_records(denv, directory: str = "ck") -> list[str]:
     """The records of ``directory`` in the bucket (None: all of them)."""
     root = denv.bucket / ".ckptfs-inflight"
-    found = sorted(str(p.relative_to(denv.bucket)) for p in root.rglob(".ckptfs-node-*")) if root.exists() else []
+    found = sorted(str(p.relative_to(denv.bucket)) for p in root.rglob(".ckptfs-node-*")
+                   if not p.name.endswith("-heartbeat")) if root.exists() else []
     if directory is None:
         return found
     return [k for k in found if k.rpartition("/")[0] == f".ckptfs-inflight/{directory}"]
@@ -125,3 +130,39 @@ def test_record_keys_fit_and_name_their_directory():
     assert key.startswith(cluster.records_prefix(deep))
     assert cluster.records_prefix("") == cluster.INFLIGHT_PREFIX
     assert cluster.parse_record_key("run/step_1/model.pt") is None
+
+
+def test_a_node_silent_for_node_timeout_shows_as_lost_and_still_holds_the_marker(denv, records):
+    denv.write_file("ck/.metadata", b"m")
+    other = denv.bucket / ".ckptfs-inflight" / "ck" / ".ckptfs-node-00000000000000ee-abcd0123-1"
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_bytes(b"{}")
+    an_hour_ago = time.time() - 3600
+    os.utime(other, (an_hour_ago, an_hour_ago))
+
+    def lost_shown(drain) -> bool:
+        held = drain.cluster.held.get("ck/.metadata")
+        return held is not None and "00000000000000ee" in held.lost
+
+    drain = run_drain_until(denv, lost_shown, hooks={})
+    assert not (denv.bucket / "ck" / ".metadata").exists()
+    assert "00000000000000ee" in drain.cluster.status()["ck/.metadata"]["lost"]
+    # A fresh heartbeat: the node is alive again (held still, not lost).
+    beat = denv.bucket / ".ckptfs-inflight" / ".ckptfs-node-00000000000000ee-heartbeat"
+    beat.write_bytes(b"{}")
+    drain = run_drain_until(denv, lambda d: "ck/.metadata" in d.cluster.held and not lost_shown(d), hooks={})
+    assert not (denv.bucket / "ck" / ".metadata").exists()
+
+
+def test_a_drain_that_holds_records_puts_its_heartbeat(denv, records):
+    fh, _ = denv.create("ck/s0")  # a record of this node
+
+    async def beat():
+        async with denv.store() as store:
+            drain = denv.make_drain(store)
+            await drain.cluster.start()
+            return await drain.cluster.beat()
+
+    assert trio.run(beat) is True
+    assert (denv.bucket / ".ckptfs-inflight" / f".ckptfs-node-{records.node}-heartbeat").exists()
+    denv.core.release(fh)

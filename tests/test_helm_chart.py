@@ -60,6 +60,7 @@ METRIC_CONTRACT = {
     "ckptfs_drain_restarts_total": "counter",
     "ckptfs_drain_crash_looping": "gauge",
     "ckptfs_markers_held": "gauge",
+    "ckptfs_nodes_lost": "gauge",
     "ckptfs_marker_held_longest_seconds": "gauge",
     "ckptfs_inflight_publish_failures_total": "counter",
     "ckptfs_inflight_records_published_total": "counter",

@@ -34,7 +34,9 @@ field                               meaning
                                     could not put yet, retried) and ``failed_puts`` (puts that
                                     ran out of ``publish_timeout`` since the mount)
 ``held_markers``                    marker path -> ``nodes`` (the other nodes whose files of the
-                                    checkpoint are not in the bucket yet) and ``since_ns``
+                                    checkpoint are not in the bucket yet), ``since_ns``, and
+                                    ``lost``: node -> when it was last heard of (UTC), for those
+                                    silent for ``[cluster] node_timeout``
 ``unexpected_errors``               unforeseen exceptions the drain caught around one file or
                                     key since it started (each also logged with its traceback)
 ``retrying``                        operation -> retry state, for retryable errors
@@ -466,7 +468,10 @@ def render(report: dict, width: int = 80):
     for path, err in report["errors"].items():
         summary.add_row("error", f"{path}: {err}")
     for path, held in report["held_markers"].items():
-        summary.add_row("held", f"{path}: waits for node(s) {', '.join(held['nodes'])} "
+        lost = held.get("lost") or {}
+        nodes = ", ".join(f"{n} (lost: not heard of since {lost[n][:19]} UTC)" if n in lost else n
+                          for n in held["nodes"])
+        summary.add_row("held", f"{path}: waits for node(s) {nodes} "
                                 f"(since {_seconds((time.time_ns() - held['since_ns']) / 1e9)} ago)")
     if "checkpoints" in report:
         summary.add_row("columns", "DIRTY/UPL/DONE/ERR: files not sent, being sent, in the bucket, failing; "
