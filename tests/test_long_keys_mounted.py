@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -79,20 +80,24 @@ def wait_durable_watching_markers(gw, shards_of_marker: dict[str, list[str]], ex
     object that shows is whole)."""
     proc = subprocess.Popen([*ckptfs_cmd(), "wait-durable", str(gw.mnt), "--timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watched = dict(shards_of_marker)
     try:
-        while True:
+        while watched:
             done = proc.poll() is not None
-            for marker, shards in shards_of_marker.items():
+            for marker, shards in list(watched.items()):
                 if (gw.bucket / marker).exists():
                     for shard in shards:
                         assert (gw.bucket / shard).exists(), f"{marker} is in the bucket before {shard}"
                         assert (gw.bucket / shard).read_bytes() == expected[shard]
+                    del watched[marker]
             if done:
                 break
+            time.sleep(0.01)  # (a poll interval: the drain shares the machine's cores)
+        out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
-        out, err = proc.communicate()
+            proc.communicate()
     assert proc.returncode == 0, out + err + gw.log()[-4000:]
 
 
