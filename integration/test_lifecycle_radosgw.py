@@ -39,6 +39,18 @@ pytestmark = [needs_fuse, pytest.mark.radosgw]
 
 FAST = {"settle_seconds": 0.2, "part_size": "5MiB", "concurrency": 4}
 SHARD = 256 * 1024  # above min_transition_bytes below; a single PUT (below the part size)
+# The newest checkpoint kept, every 200th tiered to COLD after a day, the others gone after five.
+TIERED_RULES = """
+checkpoints = ["step_{step}"]
+markers = [".metadata"]
+keep_latest = 1
+keep_every_steps = 200
+expire_after_days = 5
+min_transition_bytes = 65536
+[[lifecycle.tiers]]
+after_days = 1
+storage_class = "COLD"
+"""
 
 
 def lc_config(path, s3, bucket: str, prefix: str, lifecycle: str, cache_dir=None):
@@ -104,17 +116,7 @@ def test_tiering_through_bucket_lifecycle_rules_then_expiry(s3_server, s3_bucket
         "ID": "user-tmp-expire", "Status": "Enabled",
         "Filter": {"And": {"Prefix": "tmp/", "Tags": [{"Key": "scratch", "Value": "yes"}]}},
         "Expiration": {"Days": 30}}]})
-    cfg = lc_config(tmp_path / "lc.toml", s3_server, s3_bucket, "ckpt", """
-checkpoints = ["step_{step}"]
-markers = [".metadata"]
-keep_latest = 1
-keep_every_steps = 200
-expire_after_days = 5
-min_transition_bytes = 65536
-[[lifecycle.tiers]]
-after_days = 1
-storage_class = "COLD"
-""")
+    cfg = lc_config(tmp_path / "lc.toml", s3_server, s3_bucket, "ckpt", TIERED_RULES)
     shards = {f"ckpt/step_{s}/shard_{i}.pt" for s in (100, 200, 300, 400) for i in range(2)}
 
     plan = by_path(ok(lifecycle_cli(s3_server, "lifecycle", "plan", "--config", str(cfg), "--json", "--now", "+2d")))

@@ -81,9 +81,24 @@ from ckptfs.gateway.space import SpaceLimits
 # next (a key that turns from a file into a directory or back). No name starts with
 # ".ckptfs-" (defect 4: such a name stops uploads on file://; its own regression test covers it).
 NAMES = ["a", "b", "c", "d"]
-DIR_PATHS = st.sampled_from(NAMES)  # directories are made at the top
-PATHS = st.tuples(st.sampled_from(["", *NAMES]), st.sampled_from(NAMES)).map(
+# And long names, so that bucket keys reach S3's 1,024 bytes, past LMDB's 511-byte key limit
+# (issue 34): two NAME_MAX-sized names of multi-byte UTF-8, up to four deep, and "a" below them.
+# "U/U" is a 511-byte key, "U/U/a" 513; four long names make 1,019 to 1,023 bytes ("U/U/U/U/",
+# a directory's marker, 1,024), and with "/a" 1,021 to 1,025: three U and a V 1,024, four U
+# 1,025 (refused). Renaming the top directory V to U adds a byte to every key below it.
+U = "ü" * 127 + "u"  # 255 bytes
+V = "é" * 127  # 254 bytes
+LONG_NAMES = [U, V]
+DIR_PATHS = st.sampled_from(NAMES + LONG_NAMES)  # directories are made at the top
+SHORT_PATHS = st.tuples(st.sampled_from(["", *NAMES]), st.sampled_from(NAMES)).map(
     lambda t: f"{t[0]}/{t[1]}" if t[0] else t[1])
+# The keys at the limits: 511, 513, 1,023, 1,024 and 1,025 bytes.
+AT_THE_LIMITS = [f"{U}/{U}", f"{U}/{U}/a", f"{U}/{U}/{U}/{U}", f"{U}/{U}/{U}/{V}/a", f"{U}/{U}/{U}/{U}/a"]
+DEEP_PATHS = st.sampled_from(AT_THE_LIMITS) | st.tuples(
+    st.integers(1, 4).flatmap(lambda n: st.lists(st.sampled_from(LONG_NAMES), min_size=n, max_size=n)),
+    st.booleans()).map(lambda t: "/".join(t[0] + ["a"] * t[1]))
+# Mostly short names, so that steps still collide on them.
+PATHS = st.one_of(SHORT_PATHS, SHORT_PATHS, SHORT_PATHS, DEEP_PATHS)
 PART = 5 * MiB
 SMALL = st.binary(min_size=0, max_size=64)
 # One size above the part size, so multipart uploads (and resets in a part) happen.
@@ -101,12 +116,21 @@ CONCURRENT_CHANGES = st.one_of(
     st.tuples(st.just("truncate"), PATHS, st.sampled_from([0, 1, 10])),
 )
 
-CHECKPOINTS = ["ck0", "ck1", "ck2"]
+# ck3: a checkpoint whose marker and shards have keys over 511 bytes, below long names no other
+# step makes: like the others, it moves only by rename_checkpoint, so that it stays a checkpoint
+# (the marker check knows the saves of checkpoints only).
+CK_PARENT = "ö" * 127 + "k"  # 255 bytes
+CHECKPOINTS = ["ck0", "ck1", "ck2", f"{CK_PARENT}/{CK_PARENT}/ck3"]
 SHARDS = ["s0", "s1", "sub/s2"]
 MARKER = ".metadata"
 # Seconds a drain of the model's few small files gets to empty; a hunt's shrink of a drain that
 # never empties (TooSlowError) replays faster with less (CKPTFS_DRAIN_MODEL_DRAIN_TIMEOUT=8).
 DRAIN_TIMEOUT = float(os.environ.get("CKPTFS_DRAIN_MODEL_DRAIN_TIMEOUT", "30"))
+
+
+def checkpoints_holding(paths) -> set[str]:
+    """The checkpoints (of CHECKPOINTS) that these paths are in."""
+    return {ck for ck in CHECKPOINTS for path in paths if path.startswith(ck + "/")}
 
 
 def saved_by(marker_content: bytes) -> int | None:
@@ -291,7 +315,7 @@ class DrainModel(RuleBasedStateMachine):
             return
         with self.env.meta.read() as txn:
             names = {p.decode("utf-8", "surrogateescape") for p in txn.paths_of(ino)} - {written}
-        for ck in {name.split("/")[0] for name in names} & set(CHECKPOINTS):
+        for ck in checkpoints_holding(names):
             self.alter_save_of(ck)
 
     def alter_save_of(self, ck: str) -> bool:
@@ -466,6 +490,17 @@ class DrainModel(RuleBasedStateMachine):
         if parent is not None:
             self.fs(self.core.mkdir, parent, name, 0o755, USER)
 
+    @rule(path=DEEP_PATHS, data=DATA)
+    def write_deep(self, path, data):
+        """``mkdir -p`` and a write: a run, experiment and config-hash tree whose keys come
+        near, reach or pass 1,024 bytes."""
+        if self.mkdir_p(path.rpartition("/")[0]) is not None:
+            self.write_whole(path, data)
+        length = len(path.encode())
+        band = ("over 1,024" if length > 1024 else "1,024" if length == 1024 else "1,000-1,023" if length >= 1000
+                else "512-999" if length > 511 else "up to 511")
+        event(f"deep write, key of {band} bytes" + ("" if self.ino(path) is not None else ": not made"))
+
     @rule(path=PATHS)
     def mkdir_below(self, path):
         """A directory inside a directory: renames then move whole subtrees with their files."""
@@ -497,7 +532,10 @@ class DrainModel(RuleBasedStateMachine):
 
     @rule(old=st.sampled_from(CHECKPOINTS), new=st.sampled_from(CHECKPOINTS), flags=RENAME_FLAGS)
     def rename_checkpoint(self, old, new, flags):
-        self.fs(self.core.rename, ROOT_INO, old.encode(), ROOT_INO, new.encode(), flags)
+        op, on = self.parent_and_name(old)
+        np_, nn = self.parent_and_name(new)
+        if op is not None and np_ is not None:
+            self.fs(self.core.rename, op, on, np_, nn, flags)
 
     # -- the drain, the store, crashes -------------------------------------------------------
 
@@ -814,7 +852,7 @@ class DrainModel(RuleBasedStateMachine):
             return
         # A checkpoint's files change: the saves its marker names are no longer what its
         # directory holds (the bucket follows the namespace; the marker check cannot).
-        for ck in {p.split("/")[0] for p in (a, b)} & set(CHECKPOINTS):
+        for ck in checkpoints_holding((a, b)):
             if not self.alter_save_of(ck):
                 return  # (another node changed its marker: which save it names is unknown)
         if self.rec is None or self.rec.denied_name is None:

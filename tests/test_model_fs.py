@@ -3,7 +3,9 @@
 A Hypothesis state machine applies each step to a fresh directory on a ckptfs mount
 and to one on a local disk filesystem (ext4/xfs/..., with user xattrs), and compares
 return values, errnos, file contents, directory listings, link counts and xattrs.
-Names come from a three-letter alphabet so that steps collide.
+Names come mostly from a three-letter alphabet so that steps collide, and from two long
+names at depths whose bucket keys come near, reach or pass S3's 1,024 bytes: the mount refuses
+a longer key with ENAMETOOLONG (the local filesystem has no such limit), and takes every other.
 
 A sequence this test finds must be kept, written out as plain code, in tests/regressions/.
 Raise CKPTFS_MODEL_EXAMPLES / CKPTFS_MODEL_REMOUNT_EXAMPLES for a longer hunt.
@@ -34,7 +36,21 @@ data_path = pytest.fixture(scope="module", params=DATA_PATHS)(both_data_paths)
 pytestmark = [needs_fuse, pytest.mark.mounted]
 
 NAMES = ["a", "b", "c"]
-PATHS = st.lists(st.sampled_from(NAMES), min_size=1, max_size=2).map("/".join)
+SHORT_PATHS = st.lists(st.sampled_from(NAMES), min_size=1, max_size=2).map("/".join)
+# Long names (issue 34), multi-byte UTF-8, up to four deep, and "a" below them. Below the
+# compared root ("ex000/root/", 11 bytes of key) four long names make keys of 994 to 1,034
+# bytes, 10 apart: "U/U/U/W" is 1,024 bytes (as a directory, its marker 1,025: refused), four U
+# 1,034 (refused); "U/U/U/W/a" is over, "U/U/U/a" 779 bytes.
+U = "ü" * 127 + "u"  # 255 bytes
+W = "é" * 122 + "w"  # 245 bytes
+# The keys at the limits: 512, 1,024 and 1,034 bytes.
+AT_THE_LIMITS = [f"{U}/{W}", f"{U}/{U}/{U}/{W}", f"{U}/{U}/{U}/{U}"]
+DEEP_PATHS = st.sampled_from(AT_THE_LIMITS) | st.tuples(
+    st.integers(1, 4).flatmap(lambda n: st.lists(st.sampled_from([U, W]), min_size=n, max_size=n)),
+    st.booleans()).map(lambda t: "/".join(t[0] + ["a"] * t[1]))
+# Mostly short names, so that steps still collide on them.
+PATHS = st.one_of(SHORT_PATHS, SHORT_PATHS, SHORT_PATHS, DEEP_PATHS)
+S3_KEY_MAX = 1024
 DATA = st.binary(min_size=0, max_size=300) | st.sampled_from([b"x" * 5000, bytes(70000)])
 OFFSETS = st.sampled_from([0, 1, 100, 4095, 4096, 70000, (4 << 30) + 5])
 SIZES = st.sampled_from([0, 1, 50, 4096, 10000, (4 << 30) + 1])
@@ -134,16 +150,51 @@ class FsModel(RuleBasedStateMachine):
         super().__init__()
         n = next(self.counter)
         # The compared tree is exN/root; a symlink to "../a" reaches exN/a, still private to
-        # this example.
-        self.roots = (str(self.mount_base / f"ex{n}" / "root"), str(self.local_base / f"ex{n}" / "root"))
+        # this example. (N has three digits: the bucket keys below the root start the same
+        # number of bytes in, and the long paths reach 1,024 bytes exactly.)
+        self.roots = (str(self.mount_base / f"ex{n:03d}" / "root"), str(self.local_base / f"ex{n:03d}" / "root"))
         for r in self.roots:
             os.makedirs(r)
         self.fds: list[tuple[int, int, str, int]] = []  # (mount fd, local fd, path, flags)
 
-    def both(self, what: str, fn):
-        res = [outcome(fn, root) for root in self.roots]
-        assert res[0] == res[1], f"{what}: mount gave {res[0]}, local gave {res[1]}"
-        return res[0]
+    def both(self, what: str, fn, *, key_over_limit: bool = False):
+        """``fn`` on the mount, then locally: the same outcome. ``key_over_limit``: the step
+        would make a bucket key over 1,024 bytes, which the mount refuses with ENAMETOOLONG
+        (the local step is then not made); it may fail otherwise too, as the local one does."""
+        mount = outcome(fn, self.roots[0])
+        if key_over_limit:
+            assert mount[0] == "err", f"{what}: the mount made a bucket key over {S3_KEY_MAX} bytes"
+            if mount == ("err", "ENAMETOOLONG"):
+                return mount
+        local = outcome(fn, self.roots[1])
+        assert mount == local, f"{what}: mount gave {mount}, local gave {local}"
+        return mount
+
+    def key_over_limit(self, path: str, moved: str | None = None, *, is_dir: bool = False,
+                       follow: bool = False) -> bool:
+        """Would naming ``path`` make a bucket key over 1,024 bytes? The key is the path below
+        the mount's root, symlinks in the parent directories resolved (``follow``: also a
+        symlink ``path`` is, as an open with O_CREAT follows it); a directory's marker key ends
+        in "/". ``moved``: a rename's source, whose subtree takes the new name with it."""
+        local_root = self.roots[1]
+        base = os.path.realpath(os.path.dirname(local_root))  # exN: the mount's key prefix is ex{N}/
+        prefix = os.path.relpath(os.path.dirname(local_root), self.local_base)
+        full = os.path.join(local_root, path)
+        real = os.path.realpath(full) if follow else os.path.join(os.path.realpath(os.path.dirname(full)),
+                                                                   os.path.basename(full))
+        key = os.path.join(prefix, os.path.relpath(real, base))
+        extra = 1 if is_dir else 0
+        if moved is not None:
+            src = os.path.join(local_root, moved)
+            src = os.path.join(os.path.realpath(os.path.dirname(src)), os.path.basename(src))
+            if os.path.lexists(src) and stat.S_ISDIR(os.lstat(src).st_mode):
+                extra = 1
+                for dirpath, dirnames, filenames in os.walk(src):
+                    for name in dirnames + filenames:
+                        below = os.path.join(dirpath, name)
+                        is_subdir = stat.S_ISDIR(os.lstat(below).st_mode)
+                        extra = max(extra, 1 + len(os.path.relpath(below, src).encode()) + is_subdir)
+        return len(key.encode()) + extra > S3_KEY_MAX
 
     def both_fd(self, what: str, i: int, fn):
         fm, fl, path, flags = self.fds[i % len(self.fds)]
@@ -155,6 +206,11 @@ class FsModel(RuleBasedStateMachine):
 
     @rule(path=PATHS, flags=CREATE_FLAGS, data=DATA)
     def create(self, path, flags, data):
+        new = not os.path.exists(os.path.join(self.roots[1], path))  # (a dangling symlink: its target is made)
+        if new and self.key_over_limit(path, follow=not flags & os.O_EXCL):
+            self.both(f"open({path}, {flags:#o})", lambda r: os.close(os.open(os.path.join(r, path), flags, 0o644)),
+                      key_over_limit=True)
+            return
         res = [outcome(os.open, os.path.join(r, path), flags, 0o644) for r in self.roots]
         kinds = [r[0] for r in res]
         if kinds == ["ok", "ok"]:
@@ -178,15 +234,26 @@ class FsModel(RuleBasedStateMachine):
                     os.close(r[1])
             assert res[0] == res[1], f"open({path}, {flags:#o}): mount gave {res[0]}, local gave {res[1]}"
 
+    @rule(path=DEEP_PATHS, flags=CREATE_FLAGS, data=DATA)
+    def create_deep(self, path, flags, data):
+        """``mkdir -p`` (each level compared) and a create: trees of long names, keys up to and
+        past 1,024 bytes."""
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            self.mkdir("/".join(parts[:depth]))
+        self.create(path, flags, data)
+
     @rule(path=PATHS)
     def mknod(self, path):
         """A regular file made without an open (its cache file is made with no handle).
         (No FIFOs: the steps' opens and reads of one would block.)"""
-        self.both(f"mknod {path}", lambda r: os.mknod(os.path.join(r, path), stat.S_IFREG | 0o640))
+        self.both(f"mknod {path}", lambda r: os.mknod(os.path.join(r, path), stat.S_IFREG | 0o640),
+                  key_over_limit=self.key_over_limit(path))
 
     @rule(path=PATHS)
     def mkdir(self, path):
-        self.both(f"mkdir {path}", lambda r: os.mkdir(os.path.join(r, path)))
+        self.both(f"mkdir {path}", lambda r: os.mkdir(os.path.join(r, path)),
+                  key_over_limit=self.key_over_limit(path, is_dir=True))
 
     @rule(path=PATHS)
     def rmdir(self, path):
@@ -198,16 +265,19 @@ class FsModel(RuleBasedStateMachine):
 
     @rule(src=PATHS, dst=PATHS, flags=RENAME_FLAGS)
     def rename(self, src, dst, flags):
+        over = self.key_over_limit(dst, src) or bool(flags & RENAME_EXCHANGE and self.key_over_limit(src, dst))
         self.both(f"rename {src} -> {dst} flags {flags}",
-                  lambda r: renameat2(os.path.join(r, src), os.path.join(r, dst), flags))
+                  lambda r: renameat2(os.path.join(r, src), os.path.join(r, dst), flags), key_over_limit=over)
 
     @rule(src=PATHS, dst=PATHS)
     def link(self, src, dst):
-        self.both(f"link {src} -> {dst}", lambda r: os.link(os.path.join(r, src), os.path.join(r, dst)))
+        self.both(f"link {src} -> {dst}", lambda r: os.link(os.path.join(r, src), os.path.join(r, dst)),
+                  key_over_limit=self.key_over_limit(dst))
 
     @rule(dest=st.sampled_from(NAMES + ["../a", "nowhere"]), path=PATHS)
     def symlink(self, dest, path):
-        self.both(f"symlink {path} -> {dest}", lambda r: os.symlink(dest, os.path.join(r, path)))
+        self.both(f"symlink {path} -> {dest}", lambda r: os.symlink(dest, os.path.join(r, path)),
+                  key_over_limit=self.key_over_limit(path))
 
     @rule(path=PATHS, size=SIZES)
     def truncate(self, path, size):
