@@ -216,11 +216,16 @@ def test_a_mount_drains_and_reads_cold_with_each_provider(s3_server, s3_bucket, 
 
 
 @needs_fuse
-def test_a_mount_whose_provider_fails_is_refused_naming_it(s3_server, s3_bucket, provider_for, tmp_path):
-    """The container endpoint refuses the pod's token: the mount does not start, and its one
-    line names the provider and what the endpoint said, never the token."""
-    p = provider_for("container")
-    Path(p.env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"]).write_text("not-the-pod-token")
+@pytest.mark.parametrize("name, token_var, words", [
+    ("container", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", ["container-role", "401"]),
+    ("web-identity", "AWS_WEB_IDENTITY_TOKEN_FILE", ["sts", "AccessDenied", "AssumeRoleWithWebIdentity"]),
+])
+def test_a_mount_whose_provider_fails_is_refused_naming_it(s3_server, s3_bucket, provider_for, tmp_path,
+                                                          name, token_var, words):
+    """The container endpoint refuses the pod's token, or STS the web identity token: the mount
+    does not start, and its one line names the provider and what it said, never a token."""
+    p = provider_for(name)
+    Path(p.env[token_var]).write_text("not-the-pod-token")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     r = subprocess.run([*ckptfs_cmd(), "mount", f"s3://{s3_bucket}/p", str(mnt), "--endpoint-url",
@@ -228,8 +233,9 @@ def test_a_mount_whose_provider_fails_is_refused_naming_it(s3_server, s3_bucket,
                         "--metrics-addr", "127.0.0.1:0"], capture_output=True, text=True, env=p.env, timeout=90)
     assert r.returncode != 0 and not os.path.ismount(mnt)
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("ckptfs: ") and "container-role" in last and "401" in last, r.stderr
+    assert last.startswith("ckptfs: ") and all(w in last for w in words), r.stderr
     assert "not-the-pod-token" not in r.stderr and p.fake.container_token not in r.stderr
+    assert p.fake.web_identity_token not in r.stderr
     assert p.fake.refusals and p.fetches() == 0
 
 
