@@ -66,6 +66,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.httpsession import ProxyConfiguration, get_cert_path
 
 from . import localio
+from .credentials import ThreadedCredentialResolver
 from .store import (
     S3_LIMITS,
     ListResult,
@@ -390,6 +391,9 @@ class S3Store(ObjectStore):
                 s3={"addressing_style": self._addressing_style},
             )
             ak, sk, tok = self._explicit_creds
+            # botocore's credential chain, resolved and refreshed in worker threads (credentials.py)
+            session.register_component(
+                "credential_provider", ThreadedCredentialResolver(profile=self._profile, region=region))
             ctx = session.create_client(
                 "s3",
                 endpoint_url=self.endpoint_url,
@@ -400,7 +404,10 @@ class S3Store(ObjectStore):
                 aws_secret_access_key=sk,
                 aws_session_token=tok,
             )
-            client = await ctx.__aenter__()
+            try:
+                client = await ctx.__aenter__()
+            except Exception as e:  # noqa: BLE001 - translated (credentials: the chain's errors)
+                raise self._translate(e, "CreateClient", None) from e
             ev = client.meta.events
             for op in ("PutObject", "UploadPart"):
                 ev.register_first(f"choose-signer.s3.{op}", _choose_signer, unique_id=f"ckptfs-signer-{op}")
@@ -460,8 +467,10 @@ class S3Store(ObjectStore):
             return make_error(message, code=code, status=status, op=op, key=key, detail=msg or None)
         if isinstance(e, (exc.NoCredentialsError, exc.PartialCredentialsError)):
             return make_error(
-                f"{op} on {self._where()}: no usable AWS credentials found "
-                "(env AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, shared profile, or IRSA web identity)",
+                f"{op} on {self._where()}: no usable AWS credentials found (looked in: env "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the shared config/credentials "
+                "files, credential_process, web identity AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, the "
+                "container endpoint AWS_CONTAINER_CREDENTIALS_FULL_URI/_RELATIVE_URI, EC2 instance metadata)",
                 code="NoCredentials",
                 retryable=False,
                 op=op,
@@ -469,7 +478,7 @@ class S3Store(ObjectStore):
             )
         if isinstance(e, exc.CredentialRetrievalError):
             return make_error(
-                f"{op} on {self._where()}: could not fetch credentials ({type(e).__name__})",
+                f"{op} on {self._where()}: could not fetch credentials: {_without_query(e)[:500]}",
                 code="CredentialRetrievalError",
                 retryable=True,
                 op=op,
@@ -1077,7 +1086,7 @@ _ACCESS_HINTS = {
     "AllAccessDisabled": "all access to this bucket has been disabled",
     "InvalidAccessKeyId": "the access key id is not known to this endpoint",
     "SignatureDoesNotMatch": "wrong secret key (or a proxy rewrote the request)",
-    "NoCredentials": "no credentials in env, profile or IRSA",
+    "NoCredentials": "no credentials from any provider of the standard chain",
     "ConnectionError": "cannot connect to the endpoint",
     "Timeout": "the endpoint did not answer in time",
     "PermanentRedirect": "the bucket is in another region; set the region",

@@ -110,7 +110,8 @@ class Mount:
 
     def __init__(self, s3, bucket: str, prefix: str, base: Path, *, endpoint: str | None = None,
                  drain: dict | None = None, fsync: str | None = None, cache_dir: Path | None = None,
-                 name: str = "m", env: dict | None = None, cache: dict | None = None):
+                 name: str = "m", env: dict | None = None, cache: dict | None = None,
+                 fuse_io_uring: str | None = None):
         self.s3 = s3
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -121,6 +122,7 @@ class Mount:
         self.log_path = self.base / f"{name}-gateway.log"
         self.config = toml_config(self.base / f"{name}.toml", drain or {}, cache)
         self.fsync = fsync
+        self.fuse_io_uring = fuse_io_uring  # --fuse-io-uring (None: the gateway's default, auto)
         self.env = env or s3_env(s3)
         self.proc: subprocess.Popen | None = None
         self._log = None
@@ -135,6 +137,8 @@ class Mount:
                 "--config", str(self.config)]
         if self.fsync:
             argv += ["--fsync", self.fsync]
+        if self.fuse_io_uring:
+            argv += ["--fuse-io-uring", self.fuse_io_uring]
         return argv
 
     def start(self, timeout: float = 60.0) -> Mount:

@@ -341,6 +341,57 @@ def test_credentials_are_references_never_values(helm, tmp_path):
     assert "env" not in gateway(irsa)
 
 
+ROLE = "arn:aws:iam::123456789012:role/ckptfs"
+
+
+@pytest.mark.parametrize("mode", ["irsa", "podIdentity", "existingSecret"])
+def test_each_credentials_source_renders_only_its_own_provider(helm, tmp_path, mode):
+    """s3.credentials: IRSA (the role annotation), EKS Pod Identity (an association made outside
+    the chart: no annotation, no Secret, NOTES names the command) or an existing Secret; the
+    gateway and the lifecycle CronJob alike."""
+    values = {"s3": {"bucketUrl": BUCKET, "credentials": mode}, "lifecycle": {"rules": LIFECYCLE_RULES,
+                                                                             "cronJob": {"enabled": True}}}
+    if mode == "irsa":
+        values["serviceAccount"] = {"annotations": {"eks.amazonaws.com/role-arn": ROLE}}
+    if mode == "existingSecret":
+        values["s3"]["existingSecret"] = "ckpt-s3-creds"
+    out = helm_template(helm, tmp_path, values)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    sa = one(docs, "ServiceAccount")
+    annotations = sa["metadata"].get("annotations") or {}
+    pods = [one(docs, "DaemonSet")["spec"]["template"]["spec"],
+            one(docs, "CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]]
+    for pod in pods:
+        assert pod["serviceAccountName"] == sa["metadata"]["name"]
+        env = {e["name"] for e in pod["containers"][0].get("env") or []}
+        assert ("AWS_ACCESS_KEY_ID" in env) == (mode == "existingSecret")
+        # the webhooks of IRSA and Pod Identity set these; the chart never does
+        assert not env & {"AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI"}
+    assert ("eks.amazonaws.com/role-arn" in annotations) == (mode == "irsa")
+    (tmp_path / "notes-values.yaml").write_text(yaml.safe_dump(values))
+    notes = subprocess.run([str(helm), "install", "ckpt", str(CHART), "--namespace", "ml-infra", "--dry-run=client",
+                            "-f", str(tmp_path / "notes-values.yaml")], capture_output=True, text=True, timeout=60)
+    assert notes.returncode == 0, notes.stderr
+    assert ("create-pod-identity-association" in notes.stdout) == (mode == "podIdentity")
+    if mode == "podIdentity":
+        assert f"--service-account {sa['metadata']['name']}" in notes.stdout
+
+
+@pytest.mark.parametrize("s3, sa, words", [
+    ({"credentials": "irsa"}, {}, ["s3.credentials is irsa", "eks.amazonaws.com/role-arn"]),
+    ({"credentials": "existingSecret"}, {}, ["s3.existingSecret"]),
+    ({"credentials": "podIdentity"}, {"annotations": {"eks.amazonaws.com/role-arn": ROLE}},
+     ["podIdentity", "IRSA would win"]),
+    ({"credentials": "podIdentity", "existingSecret": "x"}, {}, ["s3.existingSecret is set"]),
+    ({"credentials": "iam"}, {}, ["/s3/credentials"]),
+])
+def test_a_credentials_source_without_what_it_needs_is_refused_naming_the_setting(helm, tmp_path, s3, sa, words):
+    err = refused(helm, tmp_path, {"s3": {"bucketUrl": BUCKET, **s3}, "serviceAccount": sa})
+    for word in words:
+        assert word in err, err
+
+
 @pytest.mark.parametrize("s3_extra", [
     {"secretKey": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"},
     {"accessKey": "AKIAIOSFODNN7EXAMPLE"},

@@ -59,6 +59,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* s3.credentials: refuse a combination where another provider of the AWS chain would win. */}}
+{{- define "ckptfs.checkCredentials" -}}
+{{- $mode := .Values.s3.credentials | default "auto" }}
+{{- $roleArn := index (.Values.serviceAccount.annotations | default dict) "eks.amazonaws.com/role-arn" }}
+{{- if and (eq $mode "existingSecret") (not .Values.s3.existingSecret) }}
+{{- fail "s3.credentials is existingSecret: set s3.existingSecret to the Secret's name" }}
+{{- end }}
+{{- if and (ne $mode "existingSecret") (ne $mode "auto") .Values.s3.existingSecret }}
+{{- fail (printf "s3.credentials is %s but s3.existingSecret is set: its keys would win over %s; remove one" $mode $mode) }}
+{{- end }}
+{{- if and (eq $mode "irsa") (not $roleArn) }}
+{{- fail "s3.credentials is irsa: set serviceAccount.annotations.\"eks.amazonaws.com/role-arn\" to the role's ARN" }}
+{{- end }}
+{{- if and (eq $mode "podIdentity") $roleArn }}
+{{- fail "s3.credentials is podIdentity but serviceAccount.annotations has eks.amazonaws.com/role-arn: IRSA would win over Pod Identity; remove the annotation" }}
+{{- end }}
+{{- end }}
+
 {{/* Refuse a grace period that would cut the preStop drain short. */}}
 {{- define "ckptfs.checkShutdown" -}}
 {{- $timeout := int .Values.shutdown.drainTimeoutSeconds }}
