@@ -117,6 +117,9 @@ struct worker {
     uint64_t gil_ns;    /* of the request being served: time spent waiting for the GIL */
     uint64_t changing[2]; /* directories the request being served may change (dir_attrs_begin) */
     int n_changing;
+    int give_up_buf;    /* WRITE data in buf was kept by Python: buf.mem is no longer ours */
+    char *wcopy;        /* WRITE data copied out of a buffer the transport refills (a ring entry) */
+    size_t wcopy_cap;
     int qid;            /* a ring thread: the CPU whose queue it serves */
     int registered;     /* a ring thread: its entry is registered */
     struct worker *next;
@@ -160,6 +163,7 @@ typedef struct session {
     volatile int exiting;
     volatile int running;   /* run() in progress */
     int error;              /* errno that ended the loop, 0 for an unmount or exit() */
+    const char *error_what; /* what failed with it (NULL: reading /dev/fuse) */
     struct op_stat stats[N_OPCODES]; /* [0]: opcodes without a name */
     /* directory attributes after a change, answered to GETATTR without Python */
     pthread_mutex_t dir_attrs_lock;
@@ -182,6 +186,7 @@ typedef struct session {
 static __thread struct worker *this_worker;
 
 static void flush_forgets(Session *s);
+static void forget_unanswered(Session *s, const uint64_t *inos, size_t n);
 
 /* ---- the GIL around a request -------------------------------------------------------------- */
 
@@ -638,8 +643,8 @@ static void reply_entry_result(fuse_req_t req, Session *s, enum op op, PyObject 
     dir_attrs_end(s);
     if (err)
         fuse_reply_err(req, err);
-    else
-        fuse_reply_entry(req, &e);
+    else if (fuse_reply_entry(req, &e) != 0)
+        forget_unanswered(s, &e.ino, 1);
 }
 
 /* For requests answered with no data: 0 or an errno. */
@@ -683,6 +688,18 @@ static void queue_forgets(Session *s, const struct forget_item *items, size_t n)
     memcpy(s->forgets + s->n_forgets, items, n * sizeof(*items));
     __atomic_store_n(&s->n_forgets, s->n_forgets + n, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&s->forget_lock);
+}
+
+/* A reply that carried entries did not reach the kernel (the request was interrupted, or the
+ * connection aborted): the kernel took no reference to them, so the references the handler
+ * counted for them are handed back as FORGETs. */
+static void forget_unanswered(Session *s, const uint64_t *inos, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct forget_item item = {inos[i], 1};
+        if (inos[i] != 0)
+            queue_forgets(s, &item, 1);
+    }
 }
 
 /* With the GIL held: ops.forget(the queued FORGETs). */
@@ -885,7 +902,8 @@ static void ll_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const 
     reply_entry_result(req, s, OP_LINK, call(s, OP_LINK, a, 3));
 }
 
-/* An open whose opener was interrupted before the reply: nobody will release the handle. */
+/* An open whose reply did not reach the kernel (the opener was interrupted, or the connection
+ * aborted): nobody will release the handle. */
 static void release_unanswered(Session *s, enum op op, uint64_t fh)
 {
     enter();
@@ -907,9 +925,8 @@ static void ll_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     leave();
     if (err)
         fuse_reply_err(req, err);
-    else if (fuse_reply_open(req, fi) == -ENOENT) {
+    else if (fuse_reply_open(req, fi) != 0)
         release_unanswered(s, OP_RELEASE, fi->fh);
-    }
 }
 
 static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, struct fuse_file_info *fi)
@@ -934,8 +951,10 @@ static void ll_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_
     dir_attrs_end(s);
     if (err)
         fuse_reply_err(req, err);
-    else if (fuse_reply_create(req, &e, fi) == -ENOENT) {
+    else if (fuse_reply_create(req, &e, fi) != 0) {
+        /* neither the handle nor the entry reached the kernel */
         release_unanswered(s, OP_RELEASE, fi->fh);
+        forget_unanswered(s, &e.ino, 1);
     }
 }
 
@@ -994,34 +1013,87 @@ static void ll_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
     fuse_reply_data(req, &bufv, 0);
 }
 
+/* WRITE data reaches Python as a read-only memoryview whose base object is a WriteData: the
+ * request's bytes, where the thread serving it read them (no copy) or, where the transport
+ * refills that memory itself (a ring entry), a copy in a buffer of the thread's own. Once the
+ * handler has returned, if anything still refers to those bytes (the view, a slice of it,
+ * memoryview() of it, its .obj), the memory becomes the WriteData's: the thread lets go of it
+ * and takes a fresh buffer for its next request. What Python keeps therefore never shows
+ * another request's bytes, and is freed with the last reference to it. */
+typedef struct {
+    PyObject_HEAD
+    const char *data;
+    Py_ssize_t len;
+    Py_ssize_t exports; /* buffers handed out and not yet released */
+    void *owned;        /* the memory, once it is this object's (freed with it) */
+} WriteData;
+
+static int WriteData_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    WriteData *wd = (WriteData *)self;
+    if (PyBuffer_FillInfo(view, self, (void *)wd->data, wd->len, 1, flags) < 0)
+        return -1;
+    wd->exports++;
+    return 0;
+}
+
+static void WriteData_releasebuffer(PyObject *self, Py_buffer *view)
+{
+    (void)view;
+    ((WriteData *)self)->exports--;
+}
+
+static void WriteData_dealloc(PyObject *self)
+{
+    free(((WriteData *)self)->owned);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyBufferProcs WriteData_as_buffer = {WriteData_getbuffer, WriteData_releasebuffer};
+
+static PyTypeObject WriteDataType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ckptfs_fuse.WriteData",
+    .tp_basicsize = sizeof(WriteData),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The bytes of one WRITE request (read-only; see ll_write).",
+    .tp_dealloc = WriteData_dealloc,
+    .tp_as_buffer = &WriteData_as_buffer,
+};
+
 static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off,
                      struct fuse_file_info *fi)
 {
     Session *s = session_of(req);
+    struct worker *w = this_worker;
     (void)ino;
-    enter();
-    /* A view of libfuse's buffer, not a copy; released after the call, so nothing can keep
-     * reading memory the next request overwrites. */
-    PyObject *view = PyMemoryView_FromMemory((char *)buf, (Py_ssize_t)size, PyBUF_READ);
-    PyObject *a[] = {u64(fi->fh), i64(off), Py_XNewRef(view)};
-    PyObject *r = call(s, OP_WRITE, a, 3);
-    if (view != NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb); /* the handler's error, if any, is the answer */
-        PyObject *released = PyObject_CallMethod(view, "release", NULL);
-        if (released == NULL) { /* a view of it was kept: the request cannot be trusted */
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            Py_CLEAR(r);
-            PyErr_Clear();
-            PyErr_SetString(PyExc_RuntimeError, "a write's buffer was kept past the request");
-        } else {
-            PyErr_Restore(type, value, tb);
+    const char *mem = w->buf.mem;
+    int in_recv = mem != NULL && buf >= mem && size <= w->buf.size && buf - mem <= (ptrdiff_t)(w->buf.size - size);
+    if (!in_recv) {
+        if (w->wcopy_cap < size) {
+            char *grown = realloc(w->wcopy, size);
+            if (grown == NULL) {
+                fuse_reply_err(req, ENOMEM);
+                return;
+            }
+            w->wcopy = grown;
+            w->wcopy_cap = size;
         }
-        Py_XDECREF(released);
-        Py_DECREF(view);
+        memcpy(w->wcopy, buf, size);
+        buf = w->wcopy;
     }
+    enter();
+    WriteData *wd = PyObject_New(WriteData, &WriteDataType);
+    PyObject *view = NULL;
+    if (wd != NULL) {
+        wd->data = buf;
+        wd->len = (Py_ssize_t)size;
+        wd->exports = 0;
+        wd->owned = NULL;
+        view = PyMemoryView_FromObject((PyObject *)wd);
+    }
+    PyObject *a[] = {u64(fi->fh), i64(off), view};
+    PyObject *r = call(s, OP_WRITE, a, 3);
     size_t written = 0;
     int err = 0;
     if (r == NULL)
@@ -1032,6 +1104,19 @@ static void ll_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t siz
             err = take_error(s, OP_WRITE);
     }
     Py_XDECREF(r);
+    if (wd != NULL) {
+        if (Py_REFCNT(wd) > 1 || wd->exports > 0) { /* kept: the memory is Python's now */
+            if (in_recv) {
+                wd->owned = w->buf.mem;
+                w->give_up_buf = 1; /* (libfuse still holds buf: let go once it returns) */
+            } else {
+                wd->owned = w->wcopy;
+                w->wcopy = NULL;
+                w->wcopy_cap = 0;
+            }
+        }
+        Py_DECREF(wd);
+    }
     leave();
     if (err)
         fuse_reply_err(req, err);
@@ -1081,9 +1166,8 @@ static void ll_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     leave();
     if (err)
         fuse_reply_err(req, err);
-    else if (fuse_reply_open(req, fi) == -ENOENT) {
+    else if (fuse_reply_open(req, fi) != 0)
         release_unanswered(s, OP_RELEASEDIR, fi->fh);
-    }
 }
 
 /* READDIRPLUS: ops.readdir(fh, off) gives [(name, entry, next_off), ...]; as many as fit go
@@ -1094,6 +1178,8 @@ static void ll_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
     Session *s = session_of(req);
     (void)ino;
     char *buf = malloc(size ? size : 1);
+    uint64_t *inos = NULL; /* the entries counted by readdir_taken, to forget if the reply fails */
+    size_t n_inos = 0;
     size_t used = 0;
     int err = 0;
     if (buf == NULL) {
@@ -1139,6 +1225,14 @@ static void ll_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t of
         }
     }
     if (PyList_GET_SIZE(taken) > 0) {
+        n_inos = (size_t)PyList_GET_SIZE(taken);
+        inos = malloc(n_inos * sizeof(*inos));
+        for (size_t i = 0; inos != NULL && i < n_inos; i++)
+            inos[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(taken, (Py_ssize_t)i));
+        if (inos == NULL) {
+            err = ENOMEM; /* (before they are counted: nothing to hand back) */
+            goto done;
+        }
         PyObject *b[] = {u64(fi->fh), Py_NewRef(taken)};
         err = call_void(s, OP_READDIR_TAKEN, b, 2);
     }
@@ -1148,8 +1242,9 @@ done:
     leave();
     if (err)
         fuse_reply_err(req, err);
-    else
-        fuse_reply_buf(req, buf, used);
+    else if (fuse_reply_buf(req, buf, used) != 0)
+        forget_unanswered(s, inos, n_inos);
+    free(inos);
     free(buf);
 }
 
@@ -1307,6 +1402,35 @@ static const struct fuse_lowlevel_ops ll_ops = {
 
 /* ---- the worker pool ------------------------------------------------------------------------ */
 
+static void wake_readers(Session *s);
+static void wake_rings(Session *s);
+
+/* With s->lock held: every thread is to end (see Session_exit). */
+static void session_end_locked(Session *s)
+{
+    s->exiting = 1;
+    fuse_session_exit(s->se);
+    wake_readers(s);
+    wake_rings(s);
+    pthread_cond_broadcast(&s->ended);
+}
+
+/* A thread the session cannot do without ended with errno err while serving: the session ends
+ * (run() raises OSError(err, ..., what)) rather than leave requests to a thread that is gone.
+ * Nothing happens if the session was already ending (exit(), an unmount). */
+static void session_failed(Session *s, int err, const char *what)
+{
+    pthread_mutex_lock(&s->lock);
+    if (!s->exiting) {
+        if (s->error == 0) {
+            s->error = err;
+            s->error_what = what;
+        }
+        session_end_locked(s);
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
 static void on_wake_signal(int sig) { (void)sig; }
 
 static sigset_t wake_set(void)
@@ -1390,6 +1514,10 @@ static void *worker_main(void *arg)
         uint64_t started = now_ns();
         w->gil_ns = 0;
         fuse_session_process_buf(s->se, &w->buf);
+        if (w->give_up_buf) { /* a WriteData owns it now; libfuse allocates the next one */
+            w->buf.mem = NULL;
+            w->give_up_buf = 0;
+        }
         account(s, opcode, now_ns() - started, w->gil_ns);
         if (w->init_handled) {
             /* INIT's reply is in the kernel now: what must follow it (the mount's read-ahead) */
@@ -1816,6 +1944,7 @@ static void *ring_main(void *arg)
     this_worker = w;
     this_ring = &r;
     int registering = 1; /* the last command was a REGISTER: its failure ends the thread */
+    int died = 0;        /* the errno that ended this thread while the session was serving */
     for (;;) {
         pthread_mutex_lock(&s->lock);
         w->reading = !s->exiting;
@@ -1841,13 +1970,17 @@ static void *ring_main(void *arg)
         else if (!registering && (res == -ENOENT || res == -EIO || res == -EINVAL)) {
             /* The kernel no longer had the request this commit answered: the entry went with
              * it. Register the buffers again as a new entry. */
-            if (ring_submit(&r, s->fd, CK_URING_CMD_REGISTER, 0, (uint16_t)w->qid) != 0)
+            if ((died = -ring_submit(&r, s->fd, CK_URING_CMD_REGISTER, 0, (uint16_t)w->qid)) != 0)
                 break;
             registering = 1;
             continue;
         }
-        if (res < 0)
-            break; /* ENOTCONN, ECONNABORTED: unmounted or aborted; ECANCELED: the ring is going away */
+        if (res < 0) {
+            /* ENOTCONN, ECONNABORTED, ENODEV: unmounted or aborted, the /dev/fuse workers end too */
+            if (res != -ENOTCONN && res != -ECONNABORTED && res != -ENODEV)
+                died = -res;
+            break;
+        }
         const struct ck_fuse_in_header *in = (const void *)r.hdr->in_out;
         uint32_t payload_sz = r.hdr->ring_ent_in_out.payload_sz;
         uint64_t commit_id = r.hdr->ring_ent_in_out.commit_id;
@@ -1871,9 +2004,11 @@ static void *ring_main(void *arg)
         }
         account(s, opcode, now_ns() - started, w->gil_ns);
         __atomic_fetch_add(&s->ring_requests, 1, __ATOMIC_RELAXED);
-        if (ring_submit(&r, s->fd, CK_URING_CMD_COMMIT_AND_FETCH, commit_id, (uint16_t)w->qid) != 0)
+        if ((died = -ring_submit(&r, s->fd, CK_URING_CMD_COMMIT_AND_FETCH, commit_id, (uint16_t)w->qid)) != 0)
             break;
     }
+    if (died != 0)
+        session_failed(s, died, "an io_uring queue thread ended");
     this_ring = NULL;
     this_worker = NULL;
     PyEval_RestoreThread(w->ts);
@@ -1893,12 +2028,15 @@ out:
 #define MAX_CPUS 4096
 static void start_rings(Session *s)
 {
-    static unsigned char possible[MAX_CPUS], online[MAX_CPUS]; /* (INIT comes once per session) */
-    memset(possible, 0, sizeof(possible));
-    memset(online, 0, sizeof(online));
+    unsigned char *possible = calloc(2, MAX_CPUS), *online = possible + MAX_CPUS;
+    if (possible == NULL) {
+        s->ring_error = ENOMEM;
+        return;
+    }
     int ncpu = read_cpu_list("/sys/devices/system/cpu/possible", possible, MAX_CPUS);
     read_cpu_list("/sys/devices/system/cpu/online", online, MAX_CPUS);
     if (ncpu <= 0 || ncpu > MAX_CPUS) {
+        free(possible);
         s->ring_error = ENOTSUP;
         return;
     }
@@ -1942,6 +2080,7 @@ static void start_rings(Session *s)
     }
     s->ring_active = served == ncpu;
     pthread_mutex_unlock(&s->lock);
+    free(possible);
 }
 
 /* With s->lock held: signal every ring thread waiting for a request. */
@@ -1954,12 +2093,13 @@ static void wake_rings(Session *s)
 
 /* ---- the Session type ----------------------------------------------------------------------- */
 
+static char *session_kwlist[] = {"ops", "mountpoint", "options", "passthrough", "writeback_cache",
+                                 "atomic_o_trunc", "direct_io_mmap", "export_support", "max_threads",
+                                 "max_backing_stack_depth", "user_xattrs_only", "splice_write", "io_uring",
+                                 "ring_threads_per_cpu", NULL};
+
 static int Session_init(Session *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"ops", "mountpoint", "options", "passthrough", "writeback_cache",
-                             "atomic_o_trunc", "direct_io_mmap", "export_support", "max_threads",
-                             "max_backing_stack_depth", "user_xattrs_only", "splice_write", "io_uring",
-                             "ring_threads_per_cpu", NULL};
     PyObject *ops, *options;
     const char *mountpoint;
     int passthrough = 0, writeback = 1, atomic = 1, dio_mmap = 0, export_support = 1, max_threads = 64;
@@ -1969,7 +2109,7 @@ static int Session_init(Session *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "session already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIpppi", kwlist, &ops, &mountpoint, &options,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsO|$pppppiIpppi", session_kwlist, &ops, &mountpoint, &options,
                                      &passthrough, &writeback, &atomic, &dio_mmap, &export_support,
                                      &max_threads, &depth, &user_xattrs_only, &splice_write, &io_uring,
                                      &ring_entries))
@@ -2096,8 +2236,15 @@ static PyObject *Session_run(Session *self, PyObject *unused)
         PyErr_SetString(PyExc_RuntimeError, "the session is closed or already running");
         return NULL;
     }
+    if (self->exiting) {
+        /* exit() came first (a SIGTERM while the mount was being set up): nothing to serve */
+        self->exiting = 0;
+        fuse_session_reset(self->se);
+        Py_RETURN_NONE;
+    }
     self->running = 1;
     self->error = 0;
+    self->error_what = NULL;
     PyObject *signalled = NULL; /* what a Python signal handler raised (main thread only) */
     int started;
     Py_BEGIN_ALLOW_THREADS
@@ -2156,12 +2303,14 @@ static PyObject *Session_run(Session *self, PyObject *unused)
         struct worker *w = self->rings;
         self->rings = w->next;
         pthread_join(w->tid, NULL);
+        free(w->wcopy);
         free(w);
     }
     while (self->workers != NULL) {
         struct worker *w = self->workers;
         self->workers = w->next;
         free(w->buf.mem);
+        free(w->wcopy);
         free(w);
     }
     self->n_workers = self->n_idle = 0;
@@ -2178,6 +2327,8 @@ static PyObject *Session_run(Session *self, PyObject *unused)
     }
     if (error != 0) {
         errno = error;
+        if (self->error_what != NULL)
+            return PyErr_SetFromErrnoWithFilename(PyExc_OSError, self->error_what);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
@@ -2189,11 +2340,7 @@ static PyObject *Session_exit(Session *self, PyObject *unused)
     if (self->se == NULL)
         Py_RETURN_NONE;
     pthread_mutex_lock(&self->lock);
-    self->exiting = 1;
-    fuse_session_exit(self->se);
-    wake_readers(self);
-    wake_rings(self);
-    pthread_cond_broadcast(&self->ended);
+    session_end_locked(self);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -2251,12 +2398,29 @@ static PyObject *Session_destroy(Session *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static void Session_dealloc(Session *self)
+/* The ops object usually points back at the session (the gateway's on_init closure): the
+ * garbage collector must see these references to free such a cycle. */
+static int Session_traverse(Session *self, visitproc visit, void *arg)
 {
-    session_free(self);
+    for (int i = 0; i < N_OPS; i++)
+        Py_VISIT(self->methods[i]);
+    Py_VISIT(self->ops);
+    return 0;
+}
+
+static int Session_clear(Session *self)
+{
     for (int i = 0; i < N_OPS; i++)
         Py_CLEAR(self->methods[i]);
     Py_CLEAR(self->ops);
+    return 0;
+}
+
+static void Session_dealloc(Session *self)
+{
+    PyObject_GC_UnTrack(self);
+    session_free(self);
+    Session_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2365,7 +2529,9 @@ static PyTypeObject SessionType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ckptfs_fuse.Session",
     .tp_basicsize = sizeof(Session),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Session_traverse,
+    .tp_clear = (inquiry)Session_clear,
     .tp_doc = "A mounted FUSE session served by a pool of threads calling a Python ops object.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Session_init,
@@ -2394,7 +2560,7 @@ PyMODINIT_FUNC PyInit_ckptfs_fuse(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyType_Ready(&SessionType) < 0)
+    if (PyType_Ready(&SessionType) < 0 || PyType_Ready(&WriteDataType) < 0)
         return NULL;
     PyModule_AddObjectRef(m, "Session", (PyObject *)&SessionType);
     /* class FuseError(Exception) with an ``errno`` attribute, defined in Python for brevity */
