@@ -6,8 +6,8 @@
 #   apt-get source through a private sources list (the system's apt configuration is only
 #   read, never written), and the library alone is built with meson + ninja from PyPI and
 #   installed as a shared library into $VENV/opt/fuse3.
-# - native/ckptfs_fuse.c is compiled into the venv's site-packages as the extension module
-#   ckptfs_fuse, with an rpath to that libfuse.
+# - native/*.c are compiled into the venv's site-packages as the extension module ckptfs_fuse,
+#   with an rpath to that libfuse.
 # A stamp keyed on the source, this script and the versions skips everything next time.
 # Prints one line saying what it did. Usage: scripts/build-fuse.sh [VENV]   (default .venv)
 set -euo pipefail
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$(realpath -m "${1:-.venv}")
 PY=$VENV/bin/python
-SRC=$ROOT/native/ckptfs_fuse.c
+SRCS=("$ROOT"/native/*.c)
 FUSE_MIN=3.17
 PREFIX=$VENV/opt/fuse3
 WORK=$VENV/opt/build-fuse      # scratch (removed after success): sources, build trees, meson+ninja
@@ -23,7 +23,7 @@ LOG=$VENV/build-fuse.log
 
 [[ -x $PY ]] || { echo "build-fuse: no venv at $VENV (run scripts/setup.sh)" >&2; exit 1; }
 SECONDS=0
-key=$( { cat "$SRC" "$0" scripts/fuse-source.sh; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+key=$( { cat "${SRCS[@]}" "$ROOT"/native/*.h "$0" scripts/fuse-source.sh; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 stamp=$VENV/.ckptfs-native-$key
 
 front_end_ok() {
@@ -77,7 +77,7 @@ fuse_libs=$(PKG_CONFIG_PATH="$fuse_pc_path${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 # Built as a temporary file and renamed: a running gateway keeps the module it mapped.
 # shellcheck disable=SC2086  # the pkg-config flags are word lists
 run cc -O2 -g -Wall -Wextra -Wno-unused-parameter -fPIC -shared -I"$include" $fuse_cflags \
-  "$SRC" -o "$site/ckptfs_fuse$suffix.tmp" $fuse_libs $fuse_ldflags -lpthread
+  "${SRCS[@]}" -o "$site/ckptfs_fuse$suffix.tmp" $fuse_libs $fuse_ldflags -lpthread
 run mv -f "$site/ckptfs_fuse$suffix.tmp" "$site/ckptfs_fuse$suffix"
 front_end_ok || fail "the built ckptfs_fuse does not import"
 if [[ -n $fuse_pc_path ]]; then   # the extension must load our libfuse (rpath), not the system's

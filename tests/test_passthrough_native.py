@@ -1,4 +1,4 @@
-"""The FUSE front end (native/ckptfs_fuse.c, built by scripts/build-fuse.sh) and FUSE
+"""The FUSE front end (native/, built by scripts/build-fuse.sh) and FUSE
 passthrough, on a tiny mount.
 
 A standalone file system on the front end (``PtFS`` below, no gateway code) serves a flat
