@@ -45,6 +45,12 @@ def poll(pred, timeout: float, what: str):
     return v
 
 
+def wait_for_rings(mnt: Path) -> dict:
+    """Until requests come through the io_uring queues (the kernel switches to them once every
+    CPU's queue has an entry, a little after the front end set them up)."""
+    return poll(lambda: (s := stats(mnt))["io_uring_requests"] > 0 and s, 10, "requests from the io_uring queues")
+
+
 def daemon_log(base: Path, mode: str) -> str:
     return (base / f"daemon-{mode}.log").read_text(errors="replace")
 
@@ -72,7 +78,7 @@ def test_write_data_kept_past_a_request_from_an_io_uring_queue(tmp_path, io_urin
 def _write_data_kept(tmp_path: Path, mode: str) -> None:
     with mounted(tmp_path, mode) as (mnt, back):
         if "uring" in mode:
-            poll(lambda: stats(mnt)["io_uring_active"], 10, "the io_uring queues")
+            wait_for_rings(mnt)
         os.setxattr(mnt, "user.keep_views", b"1")
         first = b"A" * 5000 + b"yz"
         with open(mnt / "f1", "wb", buffering=0) as f:
@@ -112,8 +118,7 @@ def test_exit_before_run_unmounts_cleanly(tmp_path):
 def test_an_io_uring_thread_that_dies_ends_the_session_visibly(tmp_path, io_uring_enabled):  # noqa: F811
     mode = "plain+uring"
     with mounted(tmp_path, mode) as (mnt, back):
-        s = poll(lambda: (s := stats(mnt))["io_uring_active"] and s, 10, "the io_uring queues")
-        assert s["io_uring_requests"] > 0, s
+        assert wait_for_rings(mnt)["io_uring_active"]
         daemon = next(p for p in _children() if "serve" in p[1] and str(mnt) in p[1])[0]
         # Every ring stops working; the request that asks for it is served by a ring thread,
         # whose reply cannot go out. (Its caller waits until the connection ends: a child.)
