@@ -218,7 +218,7 @@ class Settings:
     metrics_addr: str = "127.0.0.1:9810"
     allow_other: bool | None = None  # None: on when run as root
     data_path: str = "auto"  # auto | passthrough | writeback (gateway/passthrough.py)
-    fuse_io_uring: str = "auto"  # auto | on | off (native/ckptfs_fuse.c, "FUSE over io_uring")
+    fuse_io_uring: str = "auto"  # auto | on | off (native/io_uring.c)
     # seconds a directory listing of the bucket answers lookups (incl. misses) before the
     # next one (gateway/listing.py)
     remote_ttl: float = 3.0

@@ -1,6 +1,6 @@
 """The FUSE handlers: decode, call the core, map the error, count.
 
-The front end is ``ckptfs_fuse`` (``native/ckptfs_fuse.c``): a pool of C threads reads
+The front end is ``ckptfs_fuse`` (``native/``): a pool of C threads reads
 ``/dev/fuse``, and each request calls one method of :class:`CkptOperations` in the thread
 that read it, holding the GIL only while Python runs. The core is synchronous and
 thread-safe, so a handler calls it directly: there is no event loop and no hop to another
@@ -36,7 +36,7 @@ CACHE_DIR_XATTR = os.fsencode(mountpoint.CACHE_DIR_XATTR)
 
 
 def _entry(attr: Attr, entry_timeout: float = 0.0) -> tuple:
-    """An entry for a reply (the tuple native/ckptfs_fuse.c reads); ``entry_timeout`` only
+    """An entry for a reply (the tuple native/pycall.c reads); ``entry_timeout`` only
     matters in replies about a name (lookup, create, mkdir, ..., readdirplus): how long the
     kernel may keep the name without asking. Inode numbers are never reused (generation 0)."""
     return (attr.ino, entry_timeout, ATTR_TIMEOUT, attr.mode, attr.nlink, attr.uid, attr.gid, attr.rdev,

@@ -13,15 +13,60 @@ fuse_build_tools() {
   }
 }
 
+# debian_mirror [SOURCELIST SOURCEPARTS CODENAME]: the URL of the Debian archive the system's apt
+# configuration uses, read from its one-line sources (sources.list, *.list) and its deb822
+# sources (*.sources): the first enabled deb/deb-src entry for this release's own suite
+# (CODENAME exactly, not -updates or -security) with the main component. By default the files
+# are where apt-config says and CODENAME is VERSION_CODENAME of /etc/os-release. Prints
+# nothing when there is none.
+debian_mirror() {
+  local list=${1-} parts=${2-} codename=${3-} SL SP
+  if [[ -z $list && -z $parts ]]; then
+    eval "$(apt-config shell SL Dir::Etc::sourcelist/f SP Dir::Etc::sourceparts/d 2>/dev/null)"
+    list=${SL:-/etc/apt/sources.list} parts=${SP:-/etc/apt/sources.list.d}
+  fi
+  [[ -n $codename ]] || codename=$( . /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+  local one=() deb822=()
+  [[ -f $list ]] && one+=("$list")
+  for f in "${parts%/}"/*.list; do [[ -f $f ]] && one+=("$f"); done
+  for f in "${parts%/}"/*.sources; do [[ -f $f ]] && deb822+=("$f"); done
+  {
+    # one-line: deb [options] URI SUITE COMPONENT...
+    (( ${#one[@]} )) && awk -v cn="$codename" '
+      { sub(/#.*/, "") }
+      $1 == "deb" || $1 == "deb-src" {
+        i = 2
+        if ($i ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+        if ($(i + 1) != cn) next
+        for (j = i + 2; j <= NF; j++) if ($j == "main") { print $i; break }
+      }' "${one[@]}"
+    # deb822: stanzas of Types, URIs, Suites, Components (and Enabled) fields
+    (( ${#deb822[@]} )) && awk -v cn="$codename" '
+      function flush() {
+        if (types ~ /(^| )deb(-src)?( |$)/ && enabled != "no" && (" " suites " ") ~ (" " cn " ") \
+            && (" " comps " ") ~ / main /) { split(uris, u, " "); print u[1] }
+        types = uris = suites = comps = enabled = ""
+      }
+      FNR == 1 { flush() }
+      /^[ \t]*#/ { next }
+      /^[ \t]*$/ { flush(); next }
+      { line = $0; key = tolower(line); sub(/:.*/, "", key); sub(/^[^:]*:[ \t]*/, "", line) }
+      key == "types" { types = line } key == "uris" { uris = line } key == "suites" { suites = line }
+      key == "components" { comps = line } key == "enabled" { enabled = tolower(line) }
+      END { flush() }' "${deb822[@]}"
+  } | grep -E '^(https?|file)://' | head -n1 || true
+}
+
 # fuse_fetch_source DEST SCRATCH: the unpacked source (Debian's patches applied) in DEST,
 # through a private sources list. The system's apt configuration is only read: its apt.conf.d
-# (proxy settings, etc.) still applies, and the mirror is the one it uses for Debian.
+# (proxy settings, etc.) still applies, and the mirror is the one it uses for Debian
+# (debian_mirror), or DEBIAN_MIRROR where set. No mirror is assumed.
 fuse_fetch_source() {
   local dest=$1 a=$2/apt mirror dsc
-  mirror=${DEBIAN_MIRROR:-$( { cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } \
-             | grep -oE '^(URIs:|deb(-src)?( \[[^]]*\])?) +https?://[^ ]+/debian/?( |$)' \
-             | grep -oE 'https?://[^ ]+' | head -n1 || true)}
-  mirror=${mirror:-http://deb.debian.org/debian}
+  mirror=${DEBIAN_MIRROR:-$(debian_mirror)}
+  [[ -n $mirror ]] || fail "no Debian mirror in the apt configuration (no enabled deb or deb-src entry" \
+    "for suite '$( . /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-?}")' with component main in" \
+    "sources.list, *.list or *.sources): set DEBIAN_MIRROR to the URL of a Debian archive mirror"
   rm -rf "$a"; mkdir -p "$a/lists/partial" "$a/cache/archives/partial" "$a/src"
   echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] ${mirror%/} $FUSE_SUITE main" \
     >"$a/sources.list"

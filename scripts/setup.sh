@@ -27,7 +27,7 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
   if [[ -x /usr/bin/python3 ]]; then /usr/bin/python3 -m venv .venv; else python3 -m venv .venv; fi
 fi
-# libfuse >= 3.17 and the gateway's FUSE front end (native/ckptfs_fuse.c, an extension module).
+# libfuse >= 3.17 and the gateway's FUSE front end (native/*.c, an extension module).
 scripts/build-fuse.sh .venv >&2
 stamp=.venv/.ckptfs-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then

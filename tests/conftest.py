@@ -457,6 +457,18 @@ def gateway_factory(data_path):
         remove_base(base)
 
 
+def gateway_under_cache_pressure(gateway_factory, config_dir: Path, *, cap: int, high: float, low: float,
+                                 drain: str = "") -> Gateway:
+    """A gateway whose drain uploads files as soon as they settle (0.1 s) and whose cache is capped
+    at ``cap`` bytes: clean files are evicted from ``high`` down to ``low`` of it, and writers
+    wait for room (never ENOSPC). ``drain``: more lines of the [drain] table."""
+    config = config_dir / "ckptfs.toml"
+    config.write_text(f'[drain]\nsettle_seconds = 0.1\n{drain}'
+                      f'[cache]\nmax_size = {cap}\nhigh_watermark = {high}\nlow_watermark = {low}\n'
+                      'backpressure_timeout = 300\n')
+    return gateway_factory(extra_args=("--config", str(config)))
+
+
 @pytest.fixture
 def gateway(gateway_factory) -> Gateway:
     """A fresh mount; teardown fails the test if the gateway logged an unexpected exception."""

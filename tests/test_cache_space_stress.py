@@ -15,7 +15,7 @@ import time
 
 import pytest
 from conftest import DATA_PATHS as _DATA_PATHS
-from conftest import REPO, both_data_paths, ckptfs_cmd, needs_fuse
+from conftest import REPO, both_data_paths, ckptfs_cmd, gateway_under_cache_pressure, needs_fuse
 
 from ckptfs.fsmeta.layout import CacheDir
 
@@ -66,11 +66,8 @@ def write(path, data: bytes, rng: random.Random) -> None:
 
 
 def test_every_byte_written_under_pressure_reaches_the_cache_file_and_the_bucket(gateway_factory, tmp_path):
-    config = tmp_path / "ckptfs.toml"
-    config.write_text('[drain]\nsettle_seconds = 0.1\npart_size = "5MiB"\n'
-                      f'[cache]\nmax_size = {CAP}\nhigh_watermark = 0.75\nlow_watermark = 0.5\n'
-                      'backpressure_timeout = 300\n')
-    gw = gateway_factory(extra_args=("--config", str(config)))
+    gw = gateway_under_cache_pressure(gateway_factory, tmp_path, cap=CAP, high=0.75, low=0.5,
+                                      drain='part_size = "5MiB"\n')
     cache = CacheDir(str(gw.cache))
     final: dict[str, bytes] = {}
     mismatches: list[str] = []

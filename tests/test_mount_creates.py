@@ -1,5 +1,5 @@
 """Creates on a mount, many at once: the one-transaction create (FsCore.create) behind the
-FUSE front end's threads (native/ckptfs_fuse.c), past their limit of 64 at once."""
+FUSE front end's threads (native/), past their limit of 64 at once."""
 
 from __future__ import annotations
 

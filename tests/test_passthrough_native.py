@@ -1,4 +1,4 @@
-"""The FUSE front end (native/ckptfs_fuse.c, built by scripts/build-fuse.sh) and FUSE
+"""The FUSE front end (native/, built by scripts/build-fuse.sh) and FUSE
 passthrough, on a tiny mount.
 
 A standalone file system on the front end (``PtFS`` below, no gateway code) serves a flat
@@ -10,6 +10,11 @@ In ``passthrough`` mode every open/create registers the backing file with
 last handle) and replies with that backing id; READ and WRITE requests that do
 reach the daemon are counted and served from the backing file anyway. The counters are read
 through the root's ``user.ptstats`` xattr (a GETXATTR, which is neither READ nor WRITE).
+
+``mode`` may carry options after ``+``: ``1thread`` (one /dev/fuse thread, so that every request
+reuses one buffer), ``uring`` (the io_uring queues), ``exit-before-run`` (SIGTERM before
+``run()``). The child prints ``REFS {name: lookup references}`` when it ends: what the kernel
+still holds by the handlers' count.
 
 Passthrough must work where set-up ran (root, kernel >= 6.9, the front end on
 libfuse >= 3.17): if it does not, these tests fail, with the reason, instead of skipping.
@@ -51,9 +56,14 @@ def load_passthrough():
 # -- the file system (runs in the child process) ----------------------------------------------
 
 
+CTL = ".ctl-"  # files of the backing directory that steer the test file system (never listed)
+
+
 def serve(mnt: str, backdir: str, mode: str) -> None:
     import ckptfs_fuse
     from ckptfs_fuse import ROOT_INODE, FuseError
+
+    mode, *opts = mode.split("+")
 
     pt = load_passthrough()
 
@@ -74,6 +84,28 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
             self.counts = {k: 0 for k in (
                 "open", "create", "read", "write", "flush", "fsync", "release", "setattr",
                 "backing_open", "backing_close", "backing_reuse")}
+            self.refs: dict[int, int] = {}  # ino -> lookup references the kernel holds
+            self.keep_views = False  # WRITE: keep views derived from the data past the request
+            self.kept: list = []
+            self.block_next = None  # the next request of this op waits for CTL + "go"
+
+        def _ref(self, ino: int, n: int = 1) -> None:
+            self.refs[ino] = self.refs.get(ino, 0) + n
+
+        def _maybe_block(self, op: str) -> None:
+            """Hold this request (outside the lock) until the test creates CTL + "go"."""
+            with self.lock:
+                if self.block_next != op:
+                    return
+                self.block_next = None
+            open(os.path.join(self.backdir, CTL + "blocked"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(self.backdir, CTL + "go")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        def refs_by_name(self) -> dict:
+            with self.lock:
+                return {os.fsdecode(self.name_of.get(ino, b"?")): n for ino, n in self.refs.items()}
 
         # helpers
         def _path(self, ino: int) -> str:
@@ -128,7 +160,14 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                     return self._entry(ROOT_INODE)
                 if parent != ROOT_INODE or not os.path.lexists(os.path.join(self.backdir, os.fsdecode(name))):
                     return (0, 0.0)
-                return self._entry(self._ino(name))
+                entry = self._entry(self._ino(name))
+                self._ref(entry[0])
+                return entry
+
+        def forget(self, items):
+            with self.lock:
+                for ino, n in items:
+                    self._ref(ino, -n)
 
         def getattr(self, ino):
             with self.lock:
@@ -167,10 +206,17 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
             return ino
 
         def readdir(self, fh, start_id):
+            if start_id == 0:
+                self._maybe_block("readdir")
             with self.lock:
-                names = sorted(os.listdir(self.backdir))
+                names = sorted(n for n in os.listdir(self.backdir) if not n.startswith(CTL))
                 return [(os.fsencode(n), self._entry(self._ino(os.fsencode(n))), i + 1)
                         for i, n in enumerate(names[start_id:], start_id)]
+
+        def readdir_taken(self, fh, inos):
+            with self.lock:
+                for ino in inos:
+                    self._ref(ino)
 
         def statfs(self):
             sv = os.statvfs(self.backdir)
@@ -185,6 +231,8 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                         "active_backing": len(self.backing),
                         "open_handles": len(self.handles),
                         "threads": self.session.threads,
+                        "io_uring_active": self.session.io_uring_active,
+                        "io_uring_requests": self.session.io_uring_requests,
                         "splice_max_read": self.session.splice_max_read,
                         "requests": {op: v[0] for op, v in self.session.request_stats().items()},
                         **self.counts,
@@ -198,7 +246,30 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
             if ino == ROOT_INODE and name == b"user.unblock":
                 BLOCKED.set()
                 return b"ok"
+            if ino == ROOT_INODE and name == b"user.kept":
+                with self.lock:
+                    return b"".join(bytes(v) for v in self.kept)
             raise FuseError(errno.ENODATA)
+
+        def setxattr(self, ino, name, value, flags):
+            if ino != ROOT_INODE:
+                raise FuseError(errno.ENOTSUP)
+            with self.lock:
+                if name == b"user.keep_views":
+                    self.keep_views = value == b"1"
+                elif name == b"user.block_next":
+                    self.block_next = value.decode()
+                elif name == b"user.break_rings":
+                    # A fault for the tests: every io_uring of this process stops working (each
+                    # ring's fd now refers to /dev/null), as if its ring thread failed.
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in os.listdir("/proc/self/fd"):
+                        with contextlib.suppress(OSError):
+                            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[io_uring]":
+                                os.dup2(null, int(fd))
+                    os.close(null)
+                else:
+                    raise FuseError(errno.ENOTSUP)
 
         def unexpected(self, op, exc):
             self.counts.setdefault("unexpected", 0)
@@ -207,6 +278,7 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
         # files: the backing file is always opened O_RDWR, because the one backing id of an
         # inode serves every later open of it, whatever its access mode.
         def create(self, parent, name, mode, flags, uid, gid, umask, pid):
+            self._maybe_block("create")
             with self.lock:
                 self.counts["create"] += 1
                 if parent != ROOT_INODE:
@@ -218,7 +290,10 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
                 except OSError as e:
                     raise FuseError(e.errno) from None
                 ino = self._ino(name)
-                return (*self._handle(ino, fd), self._entry(ino))
+                entry = self._entry(ino)
+                reply = (*self._handle(ino, fd), entry)
+                self._ref(ino)
+                return reply
 
         def open(self, ino, flags):
             with self.lock:
@@ -240,6 +315,8 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
         def write(self, fh, off, buf):
             with self.lock:
                 self.counts["write"] += 1
+                if self.keep_views:  # a handler bug the front end must make harmless
+                    self.kept += [buf[0:3], memoryview(buf), buf[-2:]]
                 return os.pwrite(self._fd(fh), buf, off)
 
         def _fd(self, fh: int) -> int:
@@ -283,12 +360,16 @@ def serve(mnt: str, backdir: str, mode: str) -> None:
     fs = PtFS(backdir)
     fs.session = ckptfs_fuse.Session(fs, mnt, ["default_permissions", "fsname=ckptfs-passthrough-test"],
                                      passthrough=(mode == "passthrough"), writeback_cache=False,
-                                     max_threads=8, splice_write=True)
+                                     max_threads=1 if "1thread" in opts else 8, splice_write=True,
+                                     io_uring="uring" in opts, ring_threads_per_cpu=2)
     signal.signal(signal.SIGTERM, lambda *_: fs.session.exit())
+    if "exit-before-run" in opts:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before run()
     try:
         fs.session.run()
     finally:
         fs.session.destroy()
+        print("REFS " + json.dumps(fs.refs_by_name()), flush=True)
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "serve":
