@@ -210,7 +210,8 @@ def start_endpoint(addr: str, registry: CollectorRegistry):
     except OSError as exc:
         log.warning("metrics endpoint %s not started: %s", addr, exc)
         return None, exc.strerror or str(exc)
-    log.info("metrics on http://%s:%d/metrics", host, port)
+    # The port bound, which port 0 leaves to the kernel: the log line is how to find it.
+    log.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
     return server, None
 
 

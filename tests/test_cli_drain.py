@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -148,3 +149,26 @@ def test_a_stopped_metrics_endpoint_frees_its_port_for_the_next_drain(host):
     again = metrics.serve(f"{host}:{port}", CollectorRegistry())
     assert again is not None, "the port was still taken after stop()"
     metrics.stop(again)
+
+
+def test_the_metrics_log_line_names_the_port_bound_for_port_0(caplog):
+    # "--metrics-addr 127.0.0.1:0" lets the kernel pick a free port (scripts/pjdfstest.sh, the
+    # demo): the log line is the only place that says which one it is.
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from ckptfs.drain import metrics
+
+    with caplog.at_level(logging.INFO, logger="ckptfs.metrics"):
+        server = metrics.serve("127.0.0.1:0", CollectorRegistry())
+    assert server is not None
+    try:
+        port = server.server_address[1]
+        assert port != 0
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("metrics on ")]
+        assert lines == [f"metrics on http://127.0.0.1:{port}/metrics"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        metrics.stop(server)
