@@ -50,6 +50,10 @@ async def _records_by_node(store: ObjectStore, rel: str, node: str | None) -> di
     return nodes
 
 
+def _holds_records(txn) -> bool:
+    return next(txn.iter_inflight(), None) is not None
+
+
 class ClusterCommit:
     """``read(fn, *args)``/``write(fn, *args)``: the drain's fsmeta access (worker threads)."""
 
@@ -62,6 +66,7 @@ class ClusterCommit:
         self.node: str | None = None
         self.held: dict[str, HeldMarker] = {}  # marker path -> the nodes it waits for
         self.next_beat = 0.0
+        self.beating = True  # a heartbeat of this node may be in the bucket (an earlier run's too)
 
     async def start(self) -> None:
         self.node = await self._write(cluster.ensure_node_id)
@@ -117,7 +122,13 @@ class ClusterCommit:
         ``node_timeout`` old; True if it put one."""
         if self.node is None or time.monotonic() < self.next_beat:
             return False
-        if not await self._read(lambda txn: next(txn.iter_inflight(), None) is not None):
+        if not await self._read(_holds_records):
+            self.next_beat = 0.0
+            return False
+        if self.next_beat == 0.0:
+            # The records just put are the first sign of life (their LastModified counts): the
+            # first heartbeat is due a quarter of node_timeout later, not now.
+            self.next_beat = time.monotonic() + self.node_timeout / 4
             return False
         body = json.dumps({"node": self.node, "host": socket.gethostname(), "updated_ns": time.time_ns()})
         try:
@@ -126,6 +137,7 @@ class ClusterCommit:
             log.warning("heartbeat: put failed (%s); retried", exc)
             return False
         self.next_beat = time.monotonic() + self.node_timeout / 4
+        self.beating = True
         return True
 
     # -- this node's records ---------------------------------------------------------------
@@ -138,11 +150,23 @@ class ClusterCommit:
         for pub in await self._read(cluster.removable):
             if await self._write(cluster.removing, pub):
                 done += await self._delete(pub)
+        if self.beating and self.node is not None and not await self._read(_holds_records):
+            # Nothing held any more: an idle node leaves nothing of its own in the bucket.
+            try:
+                await self.store.delete(cluster.heartbeat_key(self.node))
+            except StoreError as exc:
+                log.warning("heartbeat: delete failed (%s); retried", exc)
+            else:
+                self.beating = False
+                self.next_beat = 0.0
         return done
 
     async def pending_removals(self) -> bool:
-        """Whether a record is still to delete (``ckptfs drain --until-empty`` waits for it)."""
-        return bool(await self._read(cluster.removable)) or bool(await self._read(cluster.removal_in_flight))
+        """Whether a record, or the heartbeat of a node that holds none, is still to delete
+        (``ckptfs drain --until-empty`` waits for it)."""
+        if await self._read(cluster.removable) or await self._read(cluster.removal_in_flight):
+            return True
+        return self.beating and not await self._read(_holds_records)
 
     async def _delete(self, pub: cluster.Publication) -> int:
         try:

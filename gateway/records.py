@@ -20,8 +20,10 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 
+import trio
 from prometheus_client import Counter
 
 from ckptfs.drain.store import StoreError
@@ -36,6 +38,7 @@ PUBLISH_FAILURES = Counter("ckptfs_inflight_publish_failures",
 PUBLISHED = Counter("ckptfs_inflight_records_published", "In-flight records put by the write path")
 RETRY_FIRST = 0.2  # seconds before the second attempt of a put; doubles up to RETRY_MAX
 RETRY_MAX = 5.0
+MIN_ATTEMPT_SECONDS = 5.0  # a put's own time limit when no wait is left (the background retry)
 
 
 class Records:
@@ -51,6 +54,10 @@ class Records:
         self.node = meta.write(cluster.ensure_node_id)
         self.run = secrets.token_hex(4)
         self.failed = 0  # puts that ran out of time (the status shows them)
+        # Records whose wait in a request ran out: later requests of the directory do not wait
+        # for them again (the background task retries them). One wait per record, not per file.
+        self._given_up: set[str] = set()
+        self._given_up_lock = threading.Lock()
 
     def install(self) -> "Records":
         self.meta.write_guard = self
@@ -66,8 +73,14 @@ class Records:
     def after(self, pubs: list[cluster.Publication]) -> None:
         if self.bucket.in_its_thread():
             return  # (a write made by the bucket's own loop cannot wait for it: the retry task puts them)
+        deadline = self.clock() + self.publish_timeout  # one wait for the request, however many records
         for pub in pubs:
-            self._publish(pub, deadline=self.clock() + self.publish_timeout)
+            with self._given_up_lock:
+                if pub.key in self._given_up:
+                    continue
+            if not self._publish(pub, deadline=deadline):
+                with self._given_up_lock:
+                    self._given_up.add(pub.key)
 
     # -- putting ---------------------------------------------------------------------------
 
@@ -77,10 +90,18 @@ class Records:
 
     def _publish(self, pub: cluster.Publication, *, deadline: float) -> bool:
         delay = RETRY_FIRST
+        body = self._body(pub)
+
+        async def put(store) -> None:
+            # One request may itself hang (a stalled connection, the store's own retries): it
+            # gets what is left of the wait, and at least a moment in the background retry.
+            with trio.fail_after(max(deadline - self.clock(), MIN_ATTEMPT_SECONDS)):
+                await store.put_object(pub.key, body)
+
         while True:
             try:
-                self.bucket.call(lambda store: store.put_object(pub.key, self._body(pub)))
-            except (StoreError, OSError, TimeoutError) as exc:
+                self.bucket.call(put)
+            except (StoreError, OSError, TimeoutError, trio.TooSlowError) as exc:
                 if self.clock() + delay > deadline:
                     self.failed += 1
                     PUBLISH_FAILURES.inc()
@@ -92,6 +113,8 @@ class Records:
                 continue
             PUBLISHED.inc()
             self.meta.write(lambda txn: cluster.published(txn, pub))
+            with self._given_up_lock:
+                self._given_up.discard(pub.key)
             return True
 
     def retry_unpublished(self) -> int:

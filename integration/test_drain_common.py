@@ -55,7 +55,8 @@ def s3_env(s3, **extra) -> dict:
     return env
 
 
-def toml_config(path: Path, drain: dict | None = None, cache: dict | None = None) -> Path:
+def toml_config(path: Path, drain: dict | None = None, cache: dict | None = None,
+                cluster: dict | None = None) -> Path:
     def val(v):
         if isinstance(v, str):
             return f'"{v}"'
@@ -66,7 +67,7 @@ def toml_config(path: Path, drain: dict | None = None, cache: dict | None = None
         return str(v)
 
     lines = []
-    for table, values in (("drain", drain), ("cache", cache)):
+    for table, values in (("drain", drain), ("cache", cache), ("cluster", cluster)):
         if values:
             lines.append(f"[{table}]")
             lines += [f"{k} = {val(v)}" for k, v in values.items()]
@@ -111,7 +112,7 @@ class Mount:
     def __init__(self, s3, bucket: str, prefix: str, base: Path, *, endpoint: str | None = None,
                  drain: dict | None = None, fsync: str | None = None, cache_dir: Path | None = None,
                  name: str = "m", env: dict | None = None, cache: dict | None = None,
-                 fuse_io_uring: str | None = None):
+                 fuse_io_uring: str | None = None, cluster: dict | None = None):
         self.s3 = s3
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -120,7 +121,7 @@ class Mount:
         self.mnt = self.base / f"{name}-mnt"
         self.cache = cache_dir or self.base / f"{name}-cache"
         self.log_path = self.base / f"{name}-gateway.log"
-        self.config = toml_config(self.base / f"{name}.toml", drain or {}, cache)
+        self.config = toml_config(self.base / f"{name}.toml", drain or {}, cache, cluster)
         self.fsync = fsync
         self.fuse_io_uring = fuse_io_uring  # --fuse-io-uring (None: the gateway's default, auto)
         self.env = env or s3_env(s3)
@@ -327,10 +328,18 @@ def object_blake3(client, bucket: str, key: str) -> tuple[str, dict]:
     return h.hexdigest(), r.get("Metadata", {})
 
 
-def assert_bucket_matches(client, bucket: str, expected: dict[str, str], prefix: str = "") -> None:
+def assert_bucket_matches(client, bucket: str, expected: dict[str, str], prefix: str = "", *,
+                          ignore_dir_markers: bool = False) -> None:
     """The bucket under ``prefix`` holds exactly ``expected`` ({key: blake3}), byte-identical,
-    each with a matching x-amz-meta-blake3, and no multipart upload is open."""
+    each with a matching x-amz-meta-blake3, and no multipart upload is open. The drain deletes
+    a node's in-flight records (and its heartbeat) within a second or so of the files they
+    cover being durable: they are waited for, then must be gone like any other object."""
+    deadline = time.monotonic() + 30
+    while any(".ckptfs-inflight/" in k for k in listing(client, bucket, prefix)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     keys = set(listing(client, bucket, prefix))
+    if ignore_dir_markers:  # (a directory left empty for a while may have got its dir/ marker)
+        keys = {k for k in keys if not k.endswith("/")}
     assert keys == set(expected), f"listing {sorted(keys)} != expected {sorted(expected)}"
     for key, digest in expected.items():
         got, meta = object_blake3(client, bucket, key)

@@ -10,6 +10,6 @@ if (( $# )); then
   exec .venv/bin/python -m pytest tests integration -q -p no:cacheprovider "$@"
 fi
 status=0
-.venv/bin/python -m pytest tests integration -q -p no:cacheprovider || status=$?
+.venv/bin/python -m pytest tests integration -q -p no:cacheprovider --durations=25 || status=$?
 scripts/test-sanitized.sh || status=$?
 exit "$status"

@@ -148,5 +148,6 @@ def test_one_node_alone_drains_its_checkpoint_and_leaves_no_record(gateway_facto
                        text=True, timeout=90, cwd=str(REPO))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (gw.bucket / "ck" / ".metadata").read_text() == "m"
-    poll("the node's record is deleted", lambda: records(gw.bucket) == [])
+    poll("the node's record and heartbeat are deleted",
+         lambda: not any(p.is_file() for p in (gw.bucket / INFLIGHT).rglob("*")))
     assert sorted(os.listdir(gw.mnt)) == ["ck"]  # the records never show in the namespace

@@ -104,12 +104,22 @@ def test_records_of_an_earlier_run_that_fsmeta_never_recorded_are_swept(denv, re
 
 
 def test_a_record_that_cannot_be_put_in_time_is_reported_and_put_later(denv, records, monkeypatch):
-    records.publish_timeout = 0.0
+    records.publish_timeout = 0.3
     real_call = records.bucket.call
-    monkeypatch.setattr(records.bucket, "call", lambda fn: (_ for _ in ()).throw(OSError("unreachable")))
+    calls = []
+
+    def unreachable(fn):
+        calls.append(fn)
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(records.bucket, "call", unreachable)
     fh, _ = denv.create("ck/s0")  # acknowledged after the timeout, never failed
     denv.core.release(fh)
     assert records.failed == 2  # the root's (for the new directory ck) and ck's
+    tried = len(calls)
+    for i in range(1, 4):  # later files of the directory do not wait for its record again
+        denv.write_file(f"ck/s{i}", b"x")
+    assert len(calls) == tried
     assert {r.state for r in inflight(denv).values()} == {RecordState.PUBLISHING}
     assert bucket_records(denv, None) == []
     monkeypatch.setattr(records.bucket, "call", real_call)
@@ -159,9 +169,15 @@ def test_a_drain_that_holds_records_puts_its_heartbeat(denv, records):
 
     async def beat():
         async with denv.store() as store:
-            drain = denv.make_drain(store)
+            drain = denv.make_drain(store, node_timeout=4)
             await drain.cluster.start()
-            return await drain.cluster.beat()
+            # The record's own LastModified is the first sign of life: a beat is due a quarter
+            # of node_timeout later.
+            assert await drain.cluster.beat() is False
+            with trio.fail_after(10):
+                while not await drain.cluster.beat():
+                    await trio.sleep(0.1)
+            return True
 
     assert trio.run(beat) is True
     assert (denv.bucket / ".ckptfs-inflight" / f".ckptfs-node-{records.node}-heartbeat").exists()
