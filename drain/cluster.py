@@ -66,7 +66,9 @@ class ClusterCommit:
         self.node: str | None = None
         self.held: dict[str, HeldMarker] = {}  # marker path -> the nodes it waits for
         self.next_beat = 0.0
-        self.beating = True  # a heartbeat of this node may be in the bucket (an earlier run's too)
+        # This run put a heartbeat that is still in the bucket. (One a crashed run left stays
+        # until this node holds records again: old, it tells nobody anything.)
+        self.beating = False
 
     async def start(self) -> None:
         self.node = await self._write(cluster.ensure_node_id)
