@@ -434,12 +434,12 @@ class MetaStore:
             return result
 
         result = self._write(guarded)
+        due = self._guard_due.__dict__.setdefault("tokens", [])
         if seen and seen[0]:
-            self._guard_due.__dict__.setdefault("items", []).append(seen[0])
-        if getattr(self._batch_depth, "n", 0) == 0 and getattr(self._guard_due, "items", None):
-            due, self._guard_due.items = self._guard_due.items, []
-            for token in due:
-                guard.after(token)
+            due.append(seen[0])
+        if getattr(self._batch_depth, "n", 0) == 0:  # the outermost write acts for the nested ones
+            while due:
+                guard.after(due.pop(0))
         return result
 
     def _write(self, fn: Callable[[Txn], T]) -> T:
